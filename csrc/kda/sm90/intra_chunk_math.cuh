@@ -1,0 +1,362 @@
+// Intra-chunk warpgroup: everything of a chunk that does not depend on the recurrent state.
+//
+// For chunk c it runs while the state warpgroups work on chunk c-1 (the stages of the ring are
+// the hand-off). Per chunk (64 rows i, 128 features, one value head), in log2 units:
+//
+//   1. l2 norms of the q and k rows (optional)                           -> rnorm
+//   2. gate activation and per-feature cumsum G_i over the chunk, one feature per thread;
+//      rows past the sequence end get a zero decay, so G stops there     -> r_b = G at block ends
+//   3. per element e = exp2(G_i - r_b) (>= 1) and f = exp2(r_b - G_i) (<= 1), b = block of i:
+//      QE = q e, KE = k e, KT = k f (rows past the end are zero)         (in place over q, k, g)
+//   4. A_qk and A_kk by WGMMA, one 16-column block bj at a time: A = QE (or KE) from registers,
+//      rescaled per feature by exp2(r_w - r_bj) <= 1 for the warp's row block w > bj, B = KT.
+//      The factors of exp2(G_i - G_j) never exceed the span of one 16-row block (<= 2^116 with
+//      safe gates), so nothing overflows.
+//   5. masks (A_qk: j <= i; A_kk: j < i, times beta_i); A_qk -> stage (bf16), A_kk -> scratch
+//   6. QG = QE exp2(r_b) = q exp2(G), KG = KE exp2(r_b) = k exp2(G)      (in place)
+//   7. M = (I + A_kk)^-1 in fp32: 16x16 diagonal blocks by forward substitution (one warp each),
+//      then row blocks bi = 1..3: M[bi,<bi] = -M[bi,bi] (A[bi,<bi] M[<bi,<bi])
+//   8. M' = M diag(beta) (bf16);  W = M' KG -> k slot,  U = M' v -> v slot  (WGMMA)
+//   9. arrive on the stage's `ready` barrier.
+#pragma once
+
+#include "kernel_params.cuh"
+#include "shared_storage.cuh"
+#include "sm90_primitives.cuh"
+#include "tile_scheduler.cuh"
+
+namespace cula::kda::sm90 {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kL2NormEps = 1e-6f;
+
+// Steps 1-3: l2 norms, gates, cumsum, rescaled operands. Returns r_b for this thread's feature.
+template <bool kGateInKernel, bool kL2Norm>
+__device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, StageStorage& st, float* rnorm,
+                                                       int rows, float gate_scale, float gate_bias, int tid,
+                                                       float (&r_block)[kNumSubBlocks]) {
+  const int col = tid;  // one feature per thread
+  if constexpr (kL2Norm) {
+    // Thread r owns row r of q (r < 64) or of k (r >= 64).
+    const uint8_t* src = tid < 64 ? st.q : st.k;
+    const int r = tid & 63;
+    float ss = 0.f;
+#pragma unroll
+    for (int box = 0; box < 2; ++box) {
+#pragma unroll
+      for (int x = 0; x < 8; ++x) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(src + box * kBoxBytes + sw128_chunk_offset(r, x));
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float2 f = bf16x2_to_float2(w[u]);
+          ss = fmaf(f.x, f.x, ss);
+          ss = fmaf(f.y, f.y, ss);
+        }
+      }
+    }
+    rnorm[tid] = rsqrtf(ss + kL2NormEps);
+    named_barrier_sync(NamedBarrierId::kIntra, 128);
+  }
+
+  // Gates and cumsum (log2 units), one 16-row block at a time so that only that block's G stays
+  // in registers; r_b (G at the block's last row) is known once the block is summed.
+  float cum = 0.f;
+#pragma unroll
+  for (int b = 0; b < kNumSubBlocks; ++b) {
+    float G[kSubBlock];
+#pragma unroll
+    for (int ii = 0; ii < kSubBlock; ++ii) {
+      const int i = b * kSubBlock + ii;
+      const float x = ld_bf16(st.g, sw128_offset(i, col, kChunk));
+      float g2;
+      if constexpr (kGateInKernel) {
+        const float y = (x + gate_bias) * gate_scale;
+        g2 = (p.lower_bound * kLog2e) / (1.f + fast_exp2(-y * kLog2e));  // lower_bound * sigmoid(y)
+      } else {
+        g2 = x * kLog2e;
+      }
+      cum += (i < rows) ? g2 : 0.f;
+      G[ii] = cum;
+    }
+    const float rb = cum;
+    st.r_block[b][col] = rb;
+    r_block[b] = rb;
+
+#pragma unroll
+    for (int ii = 0; ii < kSubBlock; ++ii) {
+      const int i = b * kSubBlock + ii;
+      const float d = G[ii] - rb;  // >= 0
+      const float e = fast_exp2(d);
+      const float f = fast_exp2(-d);
+      const uint32_t off = sw128_offset(i, col, kChunk);
+      const bool valid = i < rows;
+      float qv = ld_bf16(st.q, off);
+      float kv = ld_bf16(st.k, off);
+      if constexpr (kL2Norm) {
+        qv *= rnorm[i];
+        kv *= rnorm[kChunk + i];
+      }
+      qv = valid ? qv : 0.f;
+      kv = valid ? kv : 0.f;
+      st_bf16(st.q, off, qv * e);
+      st_bf16(st.k, off, kv * e);
+      st_bf16(st.g, off, kv * f);
+    }
+  }
+  fence_smem_to_async_proxy();
+  named_barrier_sync(NamedBarrierId::kIntra, 128);
+}
+
+// Step 4: A_qk and A_kk accumulators, [bj][8] each (m64n16 fragments).
+__device__ __forceinline__ void intra_attention_matrices(const StageStorage& st, int warp, int lane,
+                                                         float (&aqk)[kNumSubBlocks][8],
+                                                         float (&akk)[kNumSubBlocks][8]) {
+  const uint32_t q_base = smem_u32(st.q), k_base = smem_u32(st.k), kt_base = smem_u32(st.g);
+  const int lm_row = kSubBlock * warp + (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int lm_hi = (lane >> 4) & 1;
+  const int t4 = lane & 3;
+
+#pragma unroll
+  for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+#pragma unroll
+    for (int r = 0; r < 8; ++r) aqk[bj][r] = akk[bj][r] = 0.f;
+  }
+
+#pragma unroll 1
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    const uint32_t box_off = (ks >> 2) * kBoxBytes;
+    const uint32_t lm_off = box_off + sw128_chunk_offset(lm_row, (ks & 3) * 2 + lm_hi);
+    uint32_t qf[4], kf[4];
+    ldmatrix_x4(q_base + lm_off, qf);
+    ldmatrix_x4(k_base + lm_off, kf);
+
+    // Features of this thread's fragment: c0, c0+1 (regs 0, 1) and c0+8, c0+9 (regs 2, 3).
+    const int c0 = ks * 16 + 2 * t4;
+    const float rw0 = st.r_block[warp][c0], rw1 = st.r_block[warp][c0 + 1];
+    const float rw8 = st.r_block[warp][c0 + 8], rw9 = st.r_block[warp][c0 + 9];
+
+    uint32_t qa[kNumSubBlocks][4], ka[kNumSubBlocks][4];
+#pragma unroll
+    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+      // Column block bj < warp: rescale by exp2(r_w - r_bj); bj == warp: as is; bj > warp: zero.
+      float s0 = 0.f, s1 = 0.f, s8 = 0.f, s9 = 0.f;
+      if (bj < warp) {
+        s0 = fast_exp2(rw0 - st.r_block[bj][c0]);
+        s1 = fast_exp2(rw1 - st.r_block[bj][c0 + 1]);
+        s8 = fast_exp2(rw8 - st.r_block[bj][c0 + 8]);
+        s9 = fast_exp2(rw9 - st.r_block[bj][c0 + 9]);
+      } else if (bj == warp) {
+        s0 = s1 = s8 = s9 = 1.f;
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float sa = r < 2 ? s0 : s8, sb = r < 2 ? s1 : s9;
+        const float2 qv = bf16x2_to_float2(qf[r]);
+        const float2 kv = bf16x2_to_float2(kf[r]);
+        qa[bj][r] = float2_to_bf16x2(qv.x * sa, qv.y * sb);
+        ka[bj][r] = float2_to_bf16x2(kv.x * sa, kv.y * sb);
+      }
+    }
+
+#pragma unroll
+    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+      fence_accumulators(aqk[bj]);
+      fence_accumulators(akk[bj]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+      const uint64_t db = desc_k_major(kt_base + box_off + bj * (kSubBlock * 128) + (ks & 3) * 32);
+      wgmma_rs_n16(qa[bj], db, aqk[bj], true);
+      wgmma_rs_n16(ka[bj], db, akk[bj], true);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+      fence_fragment(qa[bj]);
+      fence_fragment(ka[bj]);
+      fence_accumulators(aqk[bj]);
+      fence_accumulators(akk[bj]);
+    }
+  }
+}
+
+// Step 7: M = (I + A)^-1 in place in `a` (fp32, row stride kAkkLd), A strictly lower triangular.
+__device__ __forceinline__ void intra_invert_unit_lower(float* a, float* ybuf, int tid, int warp, int lane) {
+  // Diagonal 16x16 blocks: warp w inverts block w; lane c < 16 owns column c.
+  float m[kSubBlock];
+  const int base = kSubBlock * warp;
+#pragma unroll
+  for (int i = 0; i < kSubBlock; ++i) {
+    float acc = (i == lane) ? 1.f : 0.f;
+#pragma unroll
+    for (int j = 0; j < i; ++j) acc = fmaf(-a[(base + i) * kAkkLd + base + j], m[j], acc);
+    m[i] = acc;
+  }
+  __syncwarp();
+  if (lane < kSubBlock) {
+#pragma unroll
+    for (int i = 0; i < kSubBlock; ++i) a[(base + i) * kAkkLd + base + lane] = m[i];
+  }
+  named_barrier_sync(NamedBarrierId::kIntra, 128);
+
+  // Row blocks below the diagonal, one after another.
+#pragma unroll 1
+  for (int bi = 1; bi < kNumSubBlocks; ++bi) {
+    const int ncols = kSubBlock * bi;
+    const int row0 = kSubBlock * bi;
+    // Y = A[bi, <bi] * M[<bi, <bi]   (16 x ncols)
+    for (int idx = tid; idx < kSubBlock * ncols; idx += 128) {
+      const int r = idx / ncols, j = idx - r * ncols;
+      float acc = 0.f;
+      for (int k = j & ~(kSubBlock - 1); k < row0; ++k) acc = fmaf(a[(row0 + r) * kAkkLd + k], a[k * kAkkLd + j], acc);
+      ybuf[r * 48 + j] = acc;
+    }
+    named_barrier_sync(NamedBarrierId::kIntra, 128);
+    // M[bi, <bi] = -M[bi, bi] * Y
+    for (int idx = tid; idx < kSubBlock * ncols; idx += 128) {
+      const int r = idx / ncols, j = idx - r * ncols;
+      float acc = 0.f;
+      for (int q = 0; q <= r; ++q) acc = fmaf(a[(row0 + r) * kAkkLd + row0 + q], ybuf[q * 48 + j], acc);
+      a[(row0 + r) * kAkkLd + j] = -acc;
+    }
+    named_barrier_sync(NamedBarrierId::kIntra, 128);
+  }
+}
+
+// Writes a 64 x N fp32 accumulator (m64nN fragment) as bf16 into a SW128 tile.
+template <int N>
+__device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const float (&acc)[N / 2], int warp, int lane,
+                                                       int col_offset) {
+  const int g4 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int n8 = 0; n8 < N / 8; ++n8) {
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int i = kSubBlock * warp + g4 + 8 * h2;
+      const int n = col_offset / 8 + n8;  // 8-column group across the two boxes
+      *reinterpret_cast<uint32_t*>(tile + (n >> 3) * kBoxBytes + sw128_fragment_offset(i, n & 7, g4, t4)) =
+          float2_to_bf16x2(acc[n8 * 4 + h2 * 2], acc[n8 * 4 + h2 * 2 + 1]);
+    }
+  }
+}
+
+template <bool kGateInKernel, bool kL2Norm>
+__device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
+  const KdaPrefillParams& p = kp.problem;
+  const int tid = threadIdx.x - 128;  // warpgroup 1
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g4 = lane >> 2, t4 = lane & 3;
+  float* rnorm = reinterpret_cast<float*>(smem.m_prime + kRnormOffset);
+  float* ybuf = reinterpret_cast<float*>(smem.m_prime + kYbufOffset);
+  TileScheduler sched(p);
+  PipelineState pipe;
+
+  for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+    const WorkTile tile = sched.decode(t);
+    float gate_scale = 1.f, gate_bias = 0.f;
+    if constexpr (kGateInKernel) {
+      if (p.A_log != nullptr) gate_scale = expf(p.A_log[tile.v_head]);
+      if (p.dt_bias != nullptr) gate_bias = p.dt_bias[tile.v_head * kHeadDim + tid];
+    }
+
+    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
+      StageStorage& st = smem.stage[pipe.stage];
+      const int rows = tile.chunk_rows(c);
+      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+
+      float r_block[kNumSubBlocks];
+      intra_prepare_operands<kGateInKernel, kL2Norm>(p, st, rnorm, rows, gate_scale, gate_bias, tid, r_block);
+
+      float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
+      intra_attention_matrices(st, warp, lane, aqk, akk);
+
+      // Step 5: masks, beta; A_qk -> stage (bf16), A_kk -> scratch (fp32).
+      const float beta_lo = st.beta[kSubBlock * warp + g4];
+      const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
+#pragma unroll
+      for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+#pragma unroll
+        for (int n8 = 0; n8 < 2; ++n8) {
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int i = kSubBlock * warp + g4 + 8 * h2;
+            const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
+            const float bi = h2 ? beta_hi : beta_lo;
+            const float q0 = (j <= i) ? aqk[bj][n8 * 4 + h2 * 2] : 0.f;
+            const float q1 = (j + 1 <= i) ? aqk[bj][n8 * 4 + h2 * 2 + 1] : 0.f;
+            *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) = float2_to_bf16x2(q0, q1);
+            smem.akk[i * kAkkLd + j] = (j < i) ? akk[bj][n8 * 4 + h2 * 2] * bi : 0.f;
+            smem.akk[i * kAkkLd + j + 1] = (j + 1 < i) ? akk[bj][n8 * 4 + h2 * 2 + 1] * bi : 0.f;
+          }
+        }
+      }
+      // Every warp is done reading QE/KE (ldmatrix) before they are rescaled in place.
+      named_barrier_sync(NamedBarrierId::kIntra, 128);
+
+      // Step 6: QG = QE * exp2(r_b), KG = KE * exp2(r_b), one feature per thread.
+      {
+        float s[kNumSubBlocks];
+#pragma unroll
+        for (int b = 0; b < kNumSubBlocks; ++b) s[b] = fast_exp2(r_block[b]);
+#pragma unroll 8
+        for (int i = 0; i < kChunk; ++i) {
+          const uint32_t off = sw128_offset(i, tid, kChunk);
+          const float sb = s[i / kSubBlock];
+          st_bf16(st.q, off, ld_bf16(st.q, off) * sb);
+          st_bf16(st.k, off, ld_bf16(st.k, off) * sb);
+        }
+      }
+
+      // Step 7: M = (I + A_kk)^-1.
+      intra_invert_unit_lower(smem.akk, ybuf, tid, warp, lane);
+
+      // Step 8a: M' = M diag(beta) as a bf16 K-major tile (overwrites rnorm / ybuf, both dead).
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const int q = tid + 128 * s;
+        const int i = q >> 3, x = q & 7;
+        const float* row = smem.akk + i * kAkkLd + 8 * x;
+        uint32_t packed[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          packed[u] = float2_to_bf16x2(row[2 * u] * st.beta[8 * x + 2 * u], row[2 * u + 1] * st.beta[8 * x + 2 * u + 1]);
+        *reinterpret_cast<uint4*>(smem.m_prime + sw128_chunk_offset(i, x)) =
+            make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      }
+      fence_smem_to_async_proxy();
+      named_barrier_sync(NamedBarrierId::kIntra, 128);
+
+      // Step 8b: W = M' KG -> k slot, U = M' v -> v slot.
+      const uint32_t mp_base = smem_u32(smem.m_prime);
+#pragma unroll 1
+      for (int which = 0; which < 2; ++which) {
+        uint8_t* slot = which == 0 ? st.k : st.v;
+        const uint32_t b_base = smem_u32(slot);
+        float acc[64];
+#pragma unroll
+        for (int r = 0; r < 64; ++r) acc[r] = 0.f;
+        fence_accumulators(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks) {
+          wgmma_ss<128, Major::K, Major::MN>(desc_k_major(mp_base + ks * 32),
+                                             desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(acc);
+        named_barrier_sync(NamedBarrierId::kIntra, 128);  // whole warpgroup done reading the slot
+        store_accumulator_bf16<128>(slot, acc, warp, lane, 0);
+      }
+
+      // Step 9: hand the stage to the state warpgroups.
+      fence_smem_to_async_proxy();
+      cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);
+    }
+  }
+}
+
+}  // namespace cula::kda::sm90

@@ -1,0 +1,58 @@
+// The fused KDA prefill kernel: one CTA of four warpgroups per (sequence, value head) tile.
+//
+//   warpgroup 0  producer   one warp issues the TMA loads of each chunk into a 2-stage ring
+//   warpgroup 1  intra      gates, cumsum, l2norm, A_qk, A_kk, (I + A_kk)^-1, W, U of chunk c+1
+//   warpgroup 2  state      value columns   0..63: v_new, o and the state update of chunk c
+//   warpgroup 3  state      value columns 64..127
+//
+// Hand-offs are mbarriers per stage: full (TMA -> intra), ready (intra -> state), empty (state ->
+// producer). setmaxnreg moves registers from the producer to the math warpgroups.
+#pragma once
+
+#include "intra_chunk_math.cuh"
+#include "kernel_params.cuh"
+#include "load_producer.cuh"
+#include "shared_storage.cuh"
+#include "state_math.cuh"
+
+namespace cula::kda::sm90 {
+
+constexpr int kThreads = 512;
+constexpr uint32_t kProducerRegs = 24;
+constexpr uint32_t kIntraRegs = 168;
+constexpr uint32_t kStateRegs = 160;
+static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "register budget of one SM");
+
+template <bool kGateInKernel, bool kL2Norm>
+__global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  SharedStorage& smem =
+      *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 1);
+      cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
+      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], 256);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (threadIdx.x < 32) run_load_producer(kp, smem);
+  } else if (warpgroup == 1) {
+    cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
+    run_intra_chunk<kGateInKernel, kL2Norm>(kp, smem);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
+    run_state_warpgroup(kp, smem, warpgroup - 2);
+  }
+#endif
+}
+
+}  // namespace cula::kda::sm90

@@ -1,0 +1,23 @@
+// Host entry points of the SM90 KDA prefill kernel (no torch, CUDA runtime only).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kda_params.h"
+
+namespace cula::kda {
+
+// Launches the fused kernel for `params` on `stream`. The caller has validated the arguments
+// (see csrc/api); this checks what the kernel itself relies on and returns an error otherwise.
+// No host synchronisation, no allocation.
+cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream);
+
+// Human-readable reason of the last cudaErrorInvalidValue returned by kda_prefill_sm90 (or "").
+const char* kda_prefill_sm90_last_error();
+
+namespace sm90 {
+template <bool kGateInKernel, bool kL2Norm>
+cudaError_t launch_kda_prefill(const KdaPrefillParams& params, cudaStream_t stream);
+}  // namespace sm90
+
+}  // namespace cula::kda

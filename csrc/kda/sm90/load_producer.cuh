@@ -1,0 +1,78 @@
+// Producer warp: fills the shared-memory ring with one chunk at a time.
+//
+// q and k come from the tile's query/key head, v and g from its value head, each as two TMA boxes
+// of 64 tokens x 64 features (128B swizzle) completing on the stage's `full` mbarrier. Past the
+// end of the token axis TMA zero-fills; inside it, a chunk that straddles the end of a sequence
+// also reads the next sequence's first rows: harmless, because the intra-chunk pass masks every
+// row at or past `chunk_rows` out of every product, state and output. beta is strided by HV in
+// memory (no 16-byte box), so the warp's lanes load it with plain loads, zero past the sequence
+// end, before lane 0 arrives on the barrier.
+#pragma once
+
+#include <cuda.h>
+
+#include "kernel_params.cuh"
+#include "shared_storage.cuh"
+#include "sm90_primitives.cuh"
+#include "tile_scheduler.cuh"
+
+namespace cula::kda::sm90 {
+
+constexpr uint32_t kStageTxBytes = 4 * kTileBytes;  // q, k, v, g
+
+__device__ __forceinline__ void tma_load_tile(const CUtensorMap* map, uint64_t* bar, uint8_t* dst, int head,
+                                              int64_t token) {
+  // Two 64-column boxes: features [0, 64) and [64, 128).
+#pragma unroll
+  for (int box = 0; box < 2; ++box) {
+    cute::SM90_TMA_LOAD_3D::copy(map, bar, /*cache_hint=*/0, dst + box * kBoxBytes, box * 64, head, int32_t(token));
+  }
+}
+
+__device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, SharedStorage& smem) {
+  const KdaPrefillParams& p = kp.problem;
+  const int lane = threadIdx.x & 31;
+  TileScheduler sched(p);
+  PipelineState pipe;
+
+  if (lane == 0) {
+    cute::prefetch_tma_descriptor(&kp.tma_q);
+    cute::prefetch_tma_descriptor(&kp.tma_k);
+    cute::prefetch_tma_descriptor(&kp.tma_v);
+    cute::prefetch_tma_descriptor(&kp.tma_g);
+  }
+
+  for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+    const WorkTile tile = sched.decode(t);
+    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
+      StageStorage& st = smem.stage[pipe.stage];
+      // Wait until both state warpgroups have released this stage (first pass: free).
+      cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+
+      const int rows = tile.chunk_rows(c);
+      const int64_t token = tile.token0 + int64_t(c) * kChunk;
+#pragma unroll
+      for (int r = lane; r < kChunk; r += 32) {
+        float b = 0.f;
+        if (r < rows) {
+          const int64_t idx = (token + r) * p.num_v_heads + tile.v_head;
+          b = p.beta_is_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.beta)[idx])
+                             : static_cast<const float*>(p.beta)[idx];
+        }
+        st.beta[r] = b;
+      }
+      __syncwarp();
+      if (lane == 0) {
+        uint64_t* bar = &smem.full_bar[pipe.stage];
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageTxBytes);
+        tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
+        tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
+        tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
+        tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
+      }
+      __syncwarp();
+    }
+  }
+}
+
+}  // namespace cula::kda::sm90

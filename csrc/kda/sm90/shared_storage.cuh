@@ -1,0 +1,68 @@
+// Shared-memory plan of the fused KDA prefill kernel (one CTA, 227 KB budget).
+//
+// A "stage" holds one chunk (64 tokens) of one (sequence, value head) tile. TMA fills q, k, v, g;
+// the intra-chunk warpgroup then rewrites the stage in place into what the state warpgroups
+// consume, so the stage itself is the hand-off buffer and no second copy is needed:
+//
+//   slot   loaded by TMA      after the intra-chunk pass            read by
+//   q      q (bf16)           QE = q*e      -> QG = q*exp2(G)        A_qk (intra) -> q~·S (state)
+//   k      k (bf16)           KE = k*e      -> KG -> W = M'·KG       A_kk (intra) -> w·S (state)
+//   g      g (bf16)           KT = k*f                               A_qk/A_kk (intra), S update (state)
+//   v      v (bf16)           v             -> U = M'·v              u (intra) -> v_new (state)
+//   aqk    -                  A_qk (bf16, masked)                    o (state)
+//   R      -                  r_b = G at the end of each 16-row block (fp32 [4][128])
+//   beta   beta (fp32, 0 past the sequence end), written by the producer warp
+//
+// (e = exp2(G - r_b) >= 1, f = exp2(r_b - G) <= 1 per element; see docs/kernel.md.)
+#pragma once
+
+#include <cstdint>
+
+namespace cula::kda::sm90 {
+
+constexpr int kChunk = 64;           // tokens per chunk
+constexpr int kHeadDim = 128;        // K == V
+constexpr int kSubBlock = 16;        // rows per sub-block (one warp of a warpgroup)
+constexpr int kNumSubBlocks = kChunk / kSubBlock;
+constexpr int kStages = 2;
+
+constexpr int kTileBytes = kChunk * kHeadDim * 2;  // one 64x128 bf16 tile = 16 KB (two 64x64 boxes)
+constexpr int kBoxBytes = kChunk * 64 * 2;         // 8 KB
+constexpr int kAkkLd = 68;                         // fp32 row stride of the A_kk / M scratch
+
+struct alignas(1024) StageStorage {
+  alignas(1024) uint8_t q[kTileBytes];
+  alignas(1024) uint8_t k[kTileBytes];
+  alignas(1024) uint8_t g[kTileBytes];
+  alignas(1024) uint8_t v[kTileBytes];
+  alignas(1024) uint8_t aqk[kChunk * kChunk * 2];  // 64x64 bf16, one box
+  float r_block[kNumSubBlocks][kHeadDim];          // log2 cumulative decay at each block end
+  float beta[kChunk];
+};
+
+struct alignas(1024) SharedStorage {
+  StageStorage stage[kStages];
+
+  // Intra-chunk scratch (single-buffered: only the intra warpgroup touches it).
+  alignas(1024) uint8_t m_prime[kChunk * kChunk * 2];  // M' = (I + A_kk)^-1 diag(beta), bf16, K-major
+  float akk[kChunk * kAkkLd];                          // A_kk, then M in place (fp32)
+
+  // State warpgroups: one half of the value dimension each.
+  alignas(1024) uint8_t state_bf16[2][kHeadDim * 64 * 2];  // S (bf16) as WGMMA B operand; o staging
+  alignas(1024) uint8_t v_new[2][kChunk * 64 * 2];         // v_new (bf16) as WGMMA B operand
+
+  uint64_t full_bar[kStages];   // TMA -> intra
+  uint64_t ready_bar[kStages];  // intra -> state
+  uint64_t empty_bar[kStages];  // state -> producer
+};
+
+// The l2-norm reciprocals and the Y buffer of the blocked inverse live inside m_prime, which is
+// written only after both are dead.
+constexpr int kRnormOffset = 0;                 // float[128]: q rows 0..63, k rows 64..127
+constexpr int kYbufOffset = 1024;               // float[16][48]
+static_assert(kYbufOffset + 16 * 48 * 4 <= kChunk * kChunk * 2, "Y buffer must fit in m_prime");
+
+constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // + alignment slack
+static_assert(kSharedBytes <= 232448, "shared memory plan exceeds the 227 KB of an SM90 CTA");
+
+}  // namespace cula::kda::sm90

@@ -1,0 +1,182 @@
+// Small Hopper building blocks used by every role of the KDA kernel: shared-memory addressing in
+// the 128-byte-swizzled layout that TMA writes and WGMMA reads, WGMMA descriptors, ldmatrix,
+// bf16 packing, fast exp2, and named barriers. The PTX wrappers for TMA, mbarriers, WGMMA and
+// setmaxnreg themselves come from CUTLASS/CuTe (cute/arch, cutlass/arch).
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+namespace cula::kda::sm90 {
+
+// ------------------------------------------------------------------------------------------
+// The 128B-swizzled tile layout.
+//
+// Every bf16 tile in shared memory is a stack of "boxes" of R rows x 64 columns (128 bytes per
+// row), each box 1024-byte aligned, with the 16-byte chunk index of a row XOR-ed with (row % 8).
+// This is what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B for a 64-column box, and it is the
+// canonical SW128 layout of WGMMA: read row-wise it is a K-major operand (8-row core groups
+// 1024 bytes apart), read column-wise an MN-major operand (8-row K groups 1024 bytes apart,
+// 64-wide MN atoms one box apart).
+// ------------------------------------------------------------------------------------------
+
+// Byte offset of element (row, col) of a bf16 tile whose boxes hold `rows_per_box` rows.
+__device__ __forceinline__ uint32_t sw128_offset(int row, int col, int rows_per_box) {
+  const int box = col >> 6;
+  const int c = col & 63;
+  return uint32_t(box * rows_per_box * 128 + row * 128 + ((((c >> 3) ^ row) & 7) << 4) + ((c & 7) << 1));
+}
+
+// Byte offset of the 16-byte chunk `chunk` (0..7) of `row` inside one box.
+__device__ __forceinline__ uint32_t sw128_chunk_offset(int row, int chunk) {
+  return uint32_t(row * 128 + (((chunk ^ row) & 7) << 4));
+}
+
+// Byte offset of the bf16 pair (row, 8*n8 + 2*t4 .. +1) inside one box, for a thread whose rows
+// are all congruent to g4 modulo 8 (the rows of a WGMMA accumulator fragment): the swizzle term
+// is then (n8 ^ g4) and the rest folds into immediates.
+__device__ __forceinline__ uint32_t sw128_fragment_offset(int row, int n8, int g4, int t4) {
+  return uint32_t(row * 128 + (((n8 ^ g4) & 7) << 4) + t4 * 4);
+}
+
+// Addressing of one column (feature) of a 64-row tile, for the one-feature-per-thread passes:
+// offset(i) = base + 128 i + xr[i % 8]. Only the eight swizzle terms live in registers; the row
+// term folds into the instruction's immediate when i is a compile-time constant.
+struct ColumnAddressing {
+  uint32_t base;
+  uint32_t xr[8];
+  __device__ __forceinline__ explicit ColumnAddressing(int col) {
+    const int c = col & 63;
+    base = uint32_t((col >> 6) * 8192 + ((c & 7) << 1));
+#pragma unroll
+    for (int r = 0; r < 8; ++r) xr[r] = uint32_t((((c >> 3) ^ r) & 7) << 4);
+  }
+  __device__ __forceinline__ uint32_t operator()(int i) const { return base + uint32_t(i) * 128 + xr[i & 7]; }
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ------------------------------------------------------------------------------------------
+// WGMMA shared-memory descriptors for the SW128 layout (see cute::GMMA::GmmaDescriptor).
+//   K-major:  8-row groups SBO = 1024 bytes apart; LBO unused.
+//   MN-major: 8-row K groups SBO = 1024 bytes apart; 64-element MN atoms LBO bytes apart.
+// ------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr, uint32_t lbo_bytes) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>((smem_addr & 0x3FFFF) >> 4);
+  d.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo_bytes >> 4);
+  d.bitfield.stride_byte_offset_ = static_cast<uint16_t>(1024 >> 4);
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = static_cast<uint8_t>(cute::SM90::GMMA::LayoutType::B128);
+  return d.desc_;
+}
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t smem_addr) { return make_desc_sw128(smem_addr, 16); }
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t smem_addr, uint32_t atom_stride_bytes) {
+  return make_desc_sw128(smem_addr, atom_stride_bytes);
+}
+
+// ------------------------------------------------------------------------------------------
+// WGMMA wrappers: expand an accumulator array into the CuTe atom's argument list.
+// ------------------------------------------------------------------------------------------
+namespace detail {
+template <class Atom, int N, size_t... I>
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&d)[N], cute::SM90::GMMA::ScaleOut s,
+                                        std::index_sequence<I...>) {
+  Atom::fma(da, db, d[I]..., s);
+}
+template <class Atom, int N, size_t... I>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float (&d)[N],
+                                        cute::SM90::GMMA::ScaleOut s, std::index_sequence<I...>) {
+  Atom::fma(a[0], a[1], a[2], a[3], db, d[I]..., s);
+}
+}  // namespace detail
+
+using cute::SM90::GMMA::Major;
+using cute::SM90::GMMA::ScaleOut;
+
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], both from shared memory.
+template <int N, Major MajorA, Major MajorB>
+__device__ __forceinline__ void wgmma_ss(uint64_t desc_a, uint64_t desc_b, float (&d)[N / 2], bool accumulate) {
+  using namespace cute::SM90::GMMA;
+  using Atom = std::conditional_t<N == 64, MMA_64x64x16_F32BF16BF16_SS<MajorA, MajorB>,
+               std::conditional_t<N == 128, MMA_64x128x16_F32BF16BF16_SS<MajorA, MajorB>,
+                                  MMA_64x16x16_F32BF16BF16_SS<MajorA, MajorB>>>;
+  static_assert(N == 16 || N == 64 || N == 128, "unsupported WGMMA N");
+  detail::gmma_ss<Atom>(desc_a, desc_b, d, accumulate ? ScaleOut::One : ScaleOut::Zero,
+                        std::make_index_sequence<N / 2>{});
+}
+
+// D[64 x 16] (+)= A[64 x 16] (registers, K-major fragment) * B[16 x 16] (shared memory, K-major).
+__device__ __forceinline__ void wgmma_rs_n16(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[8], bool accumulate) {
+  using namespace cute::SM90::GMMA;
+  detail::gmma_rs<MMA_64x16x16_F32BF16BF16_RS<Major::K, Major::K>>(
+      a, desc_b, d, accumulate ? ScaleOut::One : ScaleOut::Zero, std::make_index_sequence<8>{});
+}
+
+__device__ __forceinline__ void wgmma_fence() { cute::warpgroup_arrive(); }
+__device__ __forceinline__ void wgmma_commit() { cute::warpgroup_commit_batch(); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { cute::warpgroup_wait<N>(); }
+
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+__device__ __forceinline__ void fence_fragment(uint32_t (&a)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(a[i]);
+}
+
+// ------------------------------------------------------------------------------------------
+// Loads, conversions, math.
+// ------------------------------------------------------------------------------------------
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t v) {
+  __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&v);
+  return __bfloat1622float2(h);
+}
+__device__ __forceinline__ uint32_t float2_to_bf16x2(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float ld_bf16(const uint8_t* smem_base, uint32_t off) {
+  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(smem_base + off));
+}
+__device__ __forceinline__ void st_bf16(uint8_t* smem_base, uint32_t off, float x) {
+  *reinterpret_cast<__nv_bfloat16*>(smem_base + off) = __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------
+// Named barriers (ids 0 is __syncthreads; we start at 1).
+// ------------------------------------------------------------------------------------------
+enum class NamedBarrierId : uint32_t { kIntra = 1, kState0 = 2, kState1 = 3 };
+
+__device__ __forceinline__ void named_barrier_sync(NamedBarrierId id, uint32_t num_threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
+}
+
+// Make generic-proxy shared-memory writes visible to the async proxy (WGMMA, TMA).
+__device__ __forceinline__ void fence_smem_to_async_proxy() { cutlass::arch::fence_view_async_shared(); }
+
+}  // namespace cula::kda::sm90

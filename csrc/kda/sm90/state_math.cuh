@@ -1,0 +1,177 @@
+// State warpgroups: the serial chain of the recurrence. Two warpgroups split the value dimension
+// (columns never mix), each keeping its half of S [K=128, 64] in fp32 registers for the whole
+// sequence. Per chunk, after the intra-chunk warpgroup has published the stage:
+//
+//   (a) S -> bf16 shared tile (the B operand of the two products below)
+//   (b) P = W S                                    (WGMMA, K = 128)
+//   (c) v_new = U - P  -> bf16 shared tile          (rows past the sequence end are zero already)
+//   (d) O = QG S + A_qk v_new                       (WGMMA, K = 128 + 64; overlaps (e))
+//   (e) S <- diag(exp2(G_last)) S + (k exp2(G_last - G))^T v_new, block by block in Horner form:
+//         S *= exp2(r_0);  for b: S += KT_b^T v_new_b;  S *= exp2(r_{b+1} - r_b)
+//       (KT_b = k exp2(r_b - G) for the rows of block b, so every factor is <= 1)
+//   (f) o = scale * O -> global
+//   (g) release the stage to the producer.
+#pragma once
+
+#include "kernel_params.cuh"
+#include "shared_storage.cuh"
+#include "sm90_primitives.cuh"
+#include "store_epilogue.cuh"
+#include "tile_scheduler.cuh"
+
+namespace cula::kda::sm90 {
+
+__device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (&f)[2][2]) {
+#pragma unroll
+  for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+    for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        s.acc[mh][n8 * 4 + h2 * 2] *= f[mh][h2];
+        s.acc[mh][n8 * 4 + h2 * 2 + 1] *= f[mh][h2];
+      }
+}
+
+__device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
+  const KdaPrefillParams& p = kp.problem;
+  const int tid = threadIdx.x - 256 - 128 * half;  // warpgroups 2 and 3
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g4 = lane >> 2, t4 = lane & 3;
+  const NamedBarrierId bar = half ? NamedBarrierId::kState1 : NamedBarrierId::kState0;
+  uint8_t* const s_tile = smem.state_bf16[half];
+  uint8_t* const vn_tile = smem.v_new[half];
+  const uint32_t s_base = smem_u32(s_tile), vn_base = smem_u32(vn_tile);
+  TileScheduler sched(p);
+  PipelineState pipe;
+
+  for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
+    const WorkTile tile = sched.decode(t);
+    StateFragment S;
+    load_initial_state(p, tile, S, half, warp, lane);
+
+    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
+      StageStorage& st = smem.stage[pipe.stage];
+      cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
+
+      // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], MN-major B operand.
+#pragma unroll
+      for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+            *reinterpret_cast<uint32_t*>(s_tile + sw128_fragment_offset(kk, n8, g4, t4)) =
+                float2_to_bf16x2(S.acc[mh][n8 * 4 + h2 * 2], S.acc[mh][n8 * 4 + h2 * 2 + 1]);
+          }
+      fence_smem_to_async_proxy();
+      named_barrier_sync(bar, 128);
+
+      // (b) P = W S.
+      const uint32_t w_base = smem_u32(st.k), qg_base = smem_u32(st.q);
+      float P[32];
+#pragma unroll
+      for (int r = 0; r < 32; ++r) P[r] = 0.f;
+      fence_accumulators(P);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const uint32_t a_off = (ks >> 2) * kBoxBytes + (ks & 3) * 32;
+        wgmma_ss<64, Major::K, Major::MN>(desc_k_major(w_base + a_off),
+                                          desc_mn_major(s_base + ks * 16 * 128, kBoxBytes), P, true);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(P);
+
+      // (c) v_new = U - P -> bf16 tile [64 rows, 64 columns], MN-major B operand.
+#pragma unroll
+      for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = kSubBlock * warp + g4 + 8 * h2;
+          const uint32_t off = sw128_fragment_offset(i, n8, g4, t4);
+          const float2 u = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(st.v + half * kBoxBytes + off));
+          *reinterpret_cast<uint32_t*>(vn_tile + off) =
+              float2_to_bf16x2(u.x - P[n8 * 4 + h2 * 2], u.y - P[n8 * 4 + h2 * 2 + 1]);
+        }
+      fence_smem_to_async_proxy();
+      named_barrier_sync(bar, 128);
+
+      // (d) O = QG S + A_qk v_new (runs while the state update below is issued).
+      const uint32_t aqk_base = smem_u32(st.aqk);
+      float O[32];
+#pragma unroll
+      for (int r = 0; r < 32; ++r) O[r] = 0.f;
+      fence_accumulators(O);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const uint32_t a_off = (ks >> 2) * kBoxBytes + (ks & 3) * 32;
+        wgmma_ss<64, Major::K, Major::MN>(desc_k_major(qg_base + a_off),
+                                          desc_mn_major(s_base + ks * 16 * 128, kBoxBytes), O, true);
+      }
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks) {
+        wgmma_ss<64, Major::K, Major::MN>(desc_k_major(aqk_base + ks * 32),
+                                          desc_mn_major(vn_base + ks * 16 * 128, kBoxBytes), O, true);
+      }
+      wgmma_commit();
+
+      // (e) State update in Horner form over the four 16-row blocks.
+      const uint32_t kt_base = smem_u32(st.g);
+      float r_prev[2][2], f[2][2];
+#pragma unroll
+      for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+          r_prev[mh][h2] = st.r_block[0][kk];
+          f[mh][h2] = fast_exp2(r_prev[mh][h2]);
+        }
+      scale_state_rows(S, f);
+#pragma unroll
+      for (int b = 0; b < kNumSubBlocks; ++b) {
+        if (b > 0) {
+          wgmma_wait<0>();
+          fence_accumulators(S.acc[0]);
+          fence_accumulators(S.acc[1]);
+#pragma unroll
+          for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+              const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+              const float r = st.r_block[b][kk];
+              f[mh][h2] = fast_exp2(r - r_prev[mh][h2]);
+              r_prev[mh][h2] = r;
+            }
+          scale_state_rows(S, f);
+        }
+        fence_accumulators(S.acc[0]);
+        fence_accumulators(S.acc[1]);
+        wgmma_fence();
+        const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
+#pragma unroll
+        for (int mh = 0; mh < 2; ++mh) {
+          const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
+          wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
+        }
+        wgmma_commit();
+      }
+      wgmma_wait<0>();
+      fence_accumulators(S.acc[0]);
+      fence_accumulators(S.acc[1]);
+      fence_accumulators(O);
+
+      // (f) o -> global (the S tile is free again and serves as staging).
+      store_output_tile(p, tile, c, O, s_tile, half, tid, bar);
+
+      // (g) release the stage.
+      cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
+    }
+    store_final_state(p, tile, S, half, warp, lane);
+  }
+}
+
+}  // namespace cula::kda::sm90
