@@ -60,23 +60,38 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
   }
 
   // Gates and cumsum (log2 units), one 16-row block at a time so that only that block's G stays
-  // in registers; r_b (G at the block's last row) is known once the block is summed.
+  // in registers; r_b (G at the block's last row) is known once the block is summed. Each block
+  // first issues all of its shared-memory loads (one warp per scheduler: latency is only hidden by
+  // independent loads in flight), then computes, then stores in place.
   float cum = 0.f;
 #pragma unroll
   for (int b = 0; b < kNumSubBlocks; ++b) {
+    float gx[kSubBlock], qx[kSubBlock], kx[kSubBlock];
+#pragma unroll
+    for (int ii = 0; ii < kSubBlock; ++ii) {
+      const uint32_t off = sw128_offset(b * kSubBlock + ii, col, kChunk);
+      gx[ii] = ld_bf16(st.g, off);
+      qx[ii] = ld_bf16(st.q, off);
+      kx[ii] = ld_bf16(st.k, off);
+    }
+    if constexpr (kL2Norm) {
+#pragma unroll
+      for (int ii = 0; ii < kSubBlock; ++ii) {
+        qx[ii] *= rnorm[b * kSubBlock + ii];
+        kx[ii] *= rnorm[kChunk + b * kSubBlock + ii];
+      }
+    }
     float G[kSubBlock];
 #pragma unroll
     for (int ii = 0; ii < kSubBlock; ++ii) {
-      const int i = b * kSubBlock + ii;
-      const float x = ld_bf16(st.g, sw128_offset(i, col, kChunk));
       float g2;
       if constexpr (kGateInKernel) {
-        const float y = (x + gate_bias) * gate_scale;
-        g2 = (p.lower_bound * kLog2e) / (1.f + fast_exp2(-y * kLog2e));  // lower_bound * sigmoid(y)
+        const float y = (gx[ii] + gate_bias) * gate_scale;
+        g2 = __fdividef(p.lower_bound * kLog2e, 1.f + fast_exp2(-y * kLog2e));  // lower_bound * sigmoid(y)
       } else {
-        g2 = x * kLog2e;
+        g2 = gx[ii] * kLog2e;
       }
-      cum += (i < rows) ? g2 : 0.f;
+      cum += (b * kSubBlock + ii < rows) ? g2 : 0.f;
       G[ii] = cum;
     }
     const float rb = cum;
@@ -89,16 +104,10 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       const float d = G[ii] - rb;  // >= 0
       const float e = fast_exp2(d);
       const float f = fast_exp2(-d);
-      const uint32_t off = sw128_offset(i, col, kChunk);
       const bool valid = i < rows;
-      float qv = ld_bf16(st.q, off);
-      float kv = ld_bf16(st.k, off);
-      if constexpr (kL2Norm) {
-        qv *= rnorm[i];
-        kv *= rnorm[kChunk + i];
-      }
-      qv = valid ? qv : 0.f;
-      kv = valid ? kv : 0.f;
+      const float qv = valid ? qx[ii] : 0.f;
+      const float kv = valid ? kx[ii] : 0.f;
+      const uint32_t off = sw128_offset(i, col, kChunk);
       st_bf16(st.q, off, qv * e);
       st_bf16(st.k, off, kv * e);
       st_bf16(st.g, off, kv * f);
@@ -202,25 +211,57 @@ __device__ __forceinline__ void intra_invert_unit_lower(float* a, float* ybuf, i
   }
   named_barrier_sync(NamedBarrierId::kIntra, 128);
 
-  // Row blocks below the diagonal, one after another.
-#pragma unroll 1
+  // Row blocks below the diagonal, one after another. Thread (r = tid / 8, p = tid % 8) computes
+  // row r, columns 2p and 2p+1 of every 16x16 block of the row block; the k loops have
+  // compile-time bounds so the loads pipeline.
+  const int r = tid >> 3, c2 = 2 * (tid & 7);
+#pragma unroll
   for (int bi = 1; bi < kNumSubBlocks; ++bi) {
-    const int ncols = kSubBlock * bi;
     const int row0 = kSubBlock * bi;
-    // Y = A[bi, <bi] * M[<bi, <bi]   (16 x ncols)
-    for (int idx = tid; idx < kSubBlock * ncols; idx += 128) {
-      const int r = idx / ncols, j = idx - r * ncols;
-      float acc = 0.f;
-      for (int k = j & ~(kSubBlock - 1); k < row0; ++k) acc = fmaf(a[(row0 + r) * kAkkLd + k], a[k * kAkkLd + j], acc);
-      ybuf[r * 48 + j] = acc;
+    const float* arow = a + (row0 + r) * kAkkLd;
+    // Y[:, block bj] = sum_{kb = bj}^{bi-1} A[bi, kb] M[kb, bj]
+    float y[kNumSubBlocks - 1][2];
+#pragma unroll
+    for (int bj = 0; bj < bi; ++bj) {
+      float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+      for (int k4 = kSubBlock * bj; k4 < row0; k4 += 4) {
+        const float4 av = *reinterpret_cast<const float4*>(arow + k4);
+        const float av_[4] = {av.x, av.y, av.z, av.w};
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const float2 mv = *reinterpret_cast<const float2*>(a + (k4 + u) * kAkkLd + kSubBlock * bj + c2);
+          acc0 = fmaf(av_[u], mv.x, acc0);
+          acc1 = fmaf(av_[u], mv.y, acc1);
+        }
+      }
+      y[bj][0] = acc0;
+      y[bj][1] = acc1;
     }
+#pragma unroll
+    for (int bj = 0; bj < bi; ++bj)
+      *reinterpret_cast<float2*>(ybuf + r * 48 + kSubBlock * bj + c2) = make_float2(y[bj][0], y[bj][1]);
     named_barrier_sync(NamedBarrierId::kIntra, 128);
-    // M[bi, <bi] = -M[bi, bi] * Y
-    for (int idx = tid; idx < kSubBlock * ncols; idx += 128) {
-      const int r = idx / ncols, j = idx - r * ncols;
-      float acc = 0.f;
-      for (int q = 0; q <= r; ++q) acc = fmaf(a[(row0 + r) * kAkkLd + row0 + q], ybuf[q * 48 + j], acc);
-      a[(row0 + r) * kAkkLd + j] = -acc;
+    // M[bi, bj] = -M[bi, bi] Y[:, bj]  (M[bi, bi] lower triangular)
+    float mrow[kSubBlock];
+#pragma unroll
+    for (int q4 = 0; q4 < kSubBlock; q4 += 4) {
+      const float4 mv = *reinterpret_cast<const float4*>(arow + row0 + q4);
+      mrow[q4] = mv.x;
+      mrow[q4 + 1] = mv.y;
+      mrow[q4 + 2] = mv.z;
+      mrow[q4 + 3] = mv.w;
+    }
+#pragma unroll
+    for (int bj = 0; bj < bi; ++bj) {
+      float acc0 = 0.f, acc1 = 0.f;
+#pragma unroll
+      for (int q = 0; q < kSubBlock; ++q) {
+        const float2 yv = *reinterpret_cast<const float2*>(ybuf + q * 48 + kSubBlock * bj + c2);
+        acc0 = fmaf(mrow[q], yv.x, acc0);
+        acc1 = fmaf(mrow[q], yv.y, acc1);
+      }
+      *reinterpret_cast<float2*>(a + (row0 + r) * kAkkLd + kSubBlock * bj + c2) = make_float2(-acc0, -acc1);
     }
     named_barrier_sync(NamedBarrierId::kIntra, 128);
   }
@@ -253,6 +294,8 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
   float* ybuf = reinterpret_cast<float*>(smem.m_prime + kYbufOffset);
   TileScheduler sched(p);
   PipelineState pipe;
+  PhaseTimer timer;
+  timer.start();
 
   for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
     const WorkTile tile = sched.decode(t);
@@ -266,12 +309,15 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       StageStorage& st = smem.stage[pipe.stage];
       const int rows = tile.chunk_rows(c);
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+      timer.mark(0);
 
       float r_block[kNumSubBlocks];
       intra_prepare_operands<kGateInKernel, kL2Norm>(p, st, rnorm, rows, gate_scale, gate_bias, tid, r_block);
+      timer.mark(1);
 
       float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
       intra_attention_matrices(st, warp, lane, aqk, akk);
+      timer.mark(2);
 
       // Step 5: masks, beta; A_qk -> stage (bf16), A_kk -> scratch (fp32).
       const float beta_lo = st.beta[kSubBlock * warp + g4];
@@ -301,17 +347,28 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         float s[kNumSubBlocks];
 #pragma unroll
         for (int b = 0; b < kNumSubBlocks; ++b) s[b] = fast_exp2(r_block[b]);
-#pragma unroll 8
-        for (int i = 0; i < kChunk; ++i) {
-          const uint32_t off = sw128_offset(i, tid, kChunk);
-          const float sb = s[i / kSubBlock];
-          st_bf16(st.q, off, ld_bf16(st.q, off) * sb);
-          st_bf16(st.k, off, ld_bf16(st.k, off) * sb);
+#pragma unroll
+        for (int b = 0; b < kNumSubBlocks; ++b) {
+          float qx[kSubBlock], kx[kSubBlock];
+#pragma unroll
+          for (int ii = 0; ii < kSubBlock; ++ii) {
+            const uint32_t off = sw128_offset(b * kSubBlock + ii, tid, kChunk);
+            qx[ii] = ld_bf16(st.q, off);
+            kx[ii] = ld_bf16(st.k, off);
+          }
+#pragma unroll
+          for (int ii = 0; ii < kSubBlock; ++ii) {
+            const uint32_t off = sw128_offset(b * kSubBlock + ii, tid, kChunk);
+            st_bf16(st.q, off, qx[ii] * s[b]);
+            st_bf16(st.k, off, kx[ii] * s[b]);
+          }
         }
       }
 
+      timer.mark(3);
       // Step 7: M = (I + A_kk)^-1.
       intra_invert_unit_lower(smem.akk, ybuf, tid, warp, lane);
+      timer.mark(4);
 
       // Step 8a: M' = M diag(beta) as a bf16 K-major tile (overwrites rnorm / ybuf, both dead).
 #pragma unroll
@@ -329,6 +386,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       fence_smem_to_async_proxy();
       named_barrier_sync(NamedBarrierId::kIntra, 128);
 
+      timer.mark(5);
       // Step 8b: W = M' KG -> k slot, U = M' v -> v slot.
       const uint32_t mp_base = smem_u32(smem.m_prime);
 #pragma unroll 1
@@ -355,8 +413,10 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       // Step 9: hand the stage to the state warpgroups.
       fence_smem_to_async_proxy();
       cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);
+      timer.mark(6);
     }
   }
+  timer.report("intra: wait prep attn mask+qg inv mprime wu", tid);
 }
 
 }  // namespace cula::kda::sm90

@@ -179,4 +179,30 @@ __device__ __forceinline__ void named_barrier_sync(NamedBarrierId id, uint32_t n
 // Make generic-proxy shared-memory writes visible to the async proxy (WGMMA, TMA).
 __device__ __forceinline__ void fence_smem_to_async_proxy() { cutlass::arch::fence_view_async_shared(); }
 
+// ------------------------------------------------------------------------------------------
+// Optional per-phase cycle counters (build with -DCULA_KDA_PROFILE): thread 0 of a role sums the
+// clock64() deltas between marks and CTA 0 prints them at the end. No-ops otherwise.
+// ------------------------------------------------------------------------------------------
+struct PhaseTimer {
+#ifdef CULA_KDA_PROFILE
+  long long t0 = 0;
+  long long acc[10] = {};
+  __device__ void start() { t0 = clock64(); }
+  __device__ void mark(int i) {
+    const long long t = clock64();
+    acc[i] += t - t0;
+    t0 = t;
+  }
+  __device__ void report(const char* role, int tid) const {
+    if (blockIdx.x == 0 && tid == 0)
+      printf("[%s] %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", role, acc[0], acc[1], acc[2], acc[3], acc[4],
+             acc[5], acc[6], acc[7], acc[8], acc[9]);
+  }
+#else
+  __device__ void start() {}
+  __device__ void mark(int) {}
+  __device__ void report(const char*, int) const {}
+#endif
+};
+
 }  // namespace cula::kda::sm90

@@ -44,6 +44,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   const uint32_t s_base = smem_u32(s_tile), vn_base = smem_u32(vn_tile);
   TileScheduler sched(p);
   PipelineState pipe;
+  PhaseTimer timer;
+  timer.start();
 
   for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
     const WorkTile tile = sched.decode(t);
@@ -53,6 +55,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
+      timer.mark(0);
 
       // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], MN-major B operand.
 #pragma unroll
@@ -68,6 +71,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       fence_smem_to_async_proxy();
       named_barrier_sync(bar, 128);
 
+      timer.mark(1);
       // (b) P = W S.
       const uint32_t w_base = smem_u32(st.k), qg_base = smem_u32(st.q);
       float P[32];
@@ -85,6 +89,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       wgmma_wait<0>();
       fence_accumulators(P);
 
+      timer.mark(2);
       // (c) v_new = U - P -> bf16 tile [64 rows, 64 columns], MN-major B operand.
 #pragma unroll
       for (int n8 = 0; n8 < 8; ++n8)
@@ -99,6 +104,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       fence_smem_to_async_proxy();
       named_barrier_sync(bar, 128);
 
+      timer.mark(3);
       // (d) O = QG S + A_qk v_new (runs while the state update below is issued).
       const uint32_t aqk_base = smem_u32(st.aqk);
       float O[32];
@@ -164,14 +170,17 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       fence_accumulators(S.acc[1]);
       fence_accumulators(O);
 
+      timer.mark(4);
       // (f) o -> global (the S tile is free again and serves as staging).
       store_output_tile(p, tile, c, O, s_tile, half, tid, bar);
 
       // (g) release the stage.
       cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
+      timer.mark(5);
     }
     store_final_state(p, tile, S, half, warp, lane);
   }
+  timer.report(half ? "state1: wait s2smem P vnew O+S store" : "state0: wait s2smem P vnew O+S store", tid);
 }
 
 }  // namespace cula::kda::sm90
