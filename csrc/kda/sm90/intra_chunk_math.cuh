@@ -30,12 +30,35 @@ namespace cula::kda::sm90 {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kL2NormEps = 1e-6f;
 
-// Steps 1-3: l2 norms, gates, cumsum, rescaled operands. Returns r_b for this thread's feature.
+// Addressing of the feature pair (2 cp, 2 cp + 1) of a 64x128 bf16 tile, for the passes that give
+// each thread two adjacent features of one half of the chunk's rows.
+struct PairColumn {
+  uint32_t base;  // box offset + byte offset inside the 16-byte chunk
+  int chunk;      // 16-byte chunk index before the swizzle
+  __device__ __forceinline__ explicit PairColumn(int cp) {
+    const int c = (2 * cp) & 63;
+    base = uint32_t((cp >> 5) * kBoxBytes + ((c & 7) << 1));
+    chunk = c >> 3;
+  }
+  __device__ __forceinline__ uint32_t operator()(int row) const {
+    return base + uint32_t(row * 128 + (((chunk ^ row) & 7) << 4));
+  }
+};
+
+__device__ __forceinline__ uint32_t ld_bf16x2(const uint8_t* base, uint32_t off) {
+  return *reinterpret_cast<const uint32_t*>(base + off);
+}
+__device__ __forceinline__ void st_bf16x2(uint8_t* base, uint32_t off, float lo, float hi) {
+  *reinterpret_cast<uint32_t*>(base + off) = float2_to_bf16x2(lo, hi);
+}
+
+// Steps 1-3: l2 norms, gates, cumsum, rescaled operands.
+// Thread (h = tid / 64, cp = tid % 64) owns features 2 cp and 2 cp + 1 of rows [32 h, 32 h + 32):
+// two 16-row blocks, so e and f (which only depend on G inside a block) need nothing from the other
+// half; only the block-end values r_b of the second half get the first half's total added.
 template <bool kGateInKernel, bool kL2Norm>
 __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, StageStorage& st, float* rnorm,
-                                                       int rows, float gate_scale, float gate_bias, int tid,
-                                                       float (&r_block)[kNumSubBlocks]) {
-  const int col = tid;  // one feature per thread
+                                                       int rows, float gate_scale, float2 gate_bias, int tid) {
   if constexpr (kL2Norm) {
     // Thread r owns row r of q (r < 64) or of k (r >= 64).
     const uint8_t* src = tid < 64 ? st.q : st.k;
@@ -59,59 +82,73 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     named_barrier_sync(NamedBarrierId::kIntra, 128);
   }
 
-  // Gates and cumsum (log2 units), one 16-row block at a time so that only that block's G stays
-  // in registers; r_b (G at the block's last row) is known once the block is summed. Each block
-  // first issues all of its shared-memory loads (one warp per scheduler: latency is only hidden by
-  // independent loads in flight), then computes, then stores in place.
-  float cum = 0.f;
+  const int h = tid >> 6, cp = tid & 63, col = 2 * cp;
+  const PairColumn addr(cp);
+  float cum0 = 0.f, cum1 = 0.f;
+  float rb_local[2][2];
 #pragma unroll
-  for (int b = 0; b < kNumSubBlocks; ++b) {
-    float gx[kSubBlock], qx[kSubBlock], kx[kSubBlock];
-#pragma unroll
-    for (int ii = 0; ii < kSubBlock; ++ii) {
-      const uint32_t off = sw128_offset(b * kSubBlock + ii, col, kChunk);
-      gx[ii] = ld_bf16(st.g, off);
-      qx[ii] = ld_bf16(st.q, off);
-      kx[ii] = ld_bf16(st.k, off);
-    }
-    if constexpr (kL2Norm) {
-#pragma unroll
-      for (int ii = 0; ii < kSubBlock; ++ii) {
-        qx[ii] *= rnorm[b * kSubBlock + ii];
-        kx[ii] *= rnorm[kChunk + b * kSubBlock + ii];
-      }
-    }
-    float G[kSubBlock];
+  for (int bb = 0; bb < 2; ++bb) {
+    const int row0 = 32 * h + kSubBlock * bb;
+    // All loads of the block first (one warp per scheduler: only independent loads hide latency).
+    uint32_t gx[kSubBlock], qx[kSubBlock], kx[kSubBlock];
 #pragma unroll
     for (int ii = 0; ii < kSubBlock; ++ii) {
-      float g2;
-      if constexpr (kGateInKernel) {
-        const float y = (gx[ii] + gate_bias) * gate_scale;
-        g2 = __fdividef(p.lower_bound * kLog2e, 1.f + fast_exp2(-y * kLog2e));  // lower_bound * sigmoid(y)
+      const uint32_t off = addr(row0 + ii);
+      gx[ii] = ld_bf16x2(st.g, off);
+      qx[ii] = ld_bf16x2(st.q, off);
+      kx[ii] = ld_bf16x2(st.k, off);
+    }
+    float G0[kSubBlock], G1[kSubBlock];
+#pragma unroll
+    for (int ii = 0; ii < kSubBlock; ++ii) {
+      const float2 x = bf16x2_to_float2(gx[ii]);
+      float g0, g1;
+      if constexpr (kGateInKernel) {  // lower_bound * sigmoid(scale * (g + dt_bias))
+        const float y0 = (x.x + gate_bias.x) * gate_scale, y1 = (x.y + gate_bias.y) * gate_scale;
+        g0 = __fdividef(p.lower_bound * kLog2e, 1.f + fast_exp2(-y0 * kLog2e));
+        g1 = __fdividef(p.lower_bound * kLog2e, 1.f + fast_exp2(-y1 * kLog2e));
       } else {
-        g2 = gx[ii] * kLog2e;
+        g0 = x.x * kLog2e;
+        g1 = x.y * kLog2e;
       }
-      cum += (b * kSubBlock + ii < rows) ? g2 : 0.f;
-      G[ii] = cum;
+      const bool valid = row0 + ii < rows;
+      cum0 += valid ? g0 : 0.f;
+      cum1 += valid ? g1 : 0.f;
+      G0[ii] = cum0;
+      G1[ii] = cum1;
     }
-    const float rb = cum;
-    st.r_block[b][col] = rb;
-    r_block[b] = rb;
-
+    rb_local[bb][0] = cum0;
+    rb_local[bb][1] = cum1;
 #pragma unroll
     for (int ii = 0; ii < kSubBlock; ++ii) {
-      const int i = b * kSubBlock + ii;
-      const float d = G[ii] - rb;  // >= 0
-      const float e = fast_exp2(d);
-      const float f = fast_exp2(-d);
-      const bool valid = i < rows;
-      const float qv = valid ? qx[ii] : 0.f;
-      const float kv = valid ? kx[ii] : 0.f;
-      const uint32_t off = sw128_offset(i, col, kChunk);
-      st_bf16(st.q, off, qv * e);
-      st_bf16(st.k, off, kv * e);
-      st_bf16(st.g, off, kv * f);
+      const int i = row0 + ii;
+      const float d0 = G0[ii] - cum0, d1 = G1[ii] - cum1;  // >= 0
+      const float e0 = fast_exp2(d0), e1 = fast_exp2(d1);
+      const float f0 = fast_exp2(-d0), f1 = fast_exp2(-d1);
+      float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
+      if constexpr (kL2Norm) {
+        const float rq = rnorm[i], rk = rnorm[kChunk + i];
+        qv = make_float2(qv.x * rq, qv.y * rq);
+        kv = make_float2(kv.x * rk, kv.y * rk);
+      }
+      if (i >= rows) qv = kv = make_float2(0.f, 0.f);
+      const uint32_t off = addr(i);
+      st_bf16x2(st.q, off, qv.x * e0, qv.y * e1);
+      st_bf16x2(st.k, off, kv.x * e0, kv.y * e1);
+      st_bf16x2(st.g, off, kv.x * f0, kv.y * f1);
     }
+  }
+  // Block-end cumulative decays: the second half adds the first half's total (r_1).
+  if (h == 0) {
+#pragma unroll
+    for (int bb = 0; bb < 2; ++bb) *reinterpret_cast<float2*>(&st.r_block[bb][col]) = make_float2(rb_local[bb][0], rb_local[bb][1]);
+  }
+  named_barrier_sync(NamedBarrierId::kIntra, 128);
+  if (h == 1) {
+    const float2 off = *reinterpret_cast<const float2*>(&st.r_block[1][col]);
+#pragma unroll
+    for (int bb = 0; bb < 2; ++bb)
+      *reinterpret_cast<float2*>(&st.r_block[2 + bb][col]) = make_float2(rb_local[bb][0] + off.x, rb_local[bb][1] + off.y);
   }
   fence_smem_to_async_proxy();
   named_barrier_sync(NamedBarrierId::kIntra, 128);
@@ -299,10 +336,12 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
 
   for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
     const WorkTile tile = sched.decode(t);
-    float gate_scale = 1.f, gate_bias = 0.f;
+    float gate_scale = 1.f;
+    float2 gate_bias = make_float2(0.f, 0.f);
     if constexpr (kGateInKernel) {
       if (p.A_log != nullptr) gate_scale = expf(p.A_log[tile.v_head]);
-      if (p.dt_bias != nullptr) gate_bias = p.dt_bias[tile.v_head * kHeadDim + tid];
+      if (p.dt_bias != nullptr)
+        gate_bias = *reinterpret_cast<const float2*>(p.dt_bias + tile.v_head * kHeadDim + 2 * (tid & 63));
     }
 
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
@@ -311,8 +350,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
       timer.mark(0);
 
-      float r_block[kNumSubBlocks];
-      intra_prepare_operands<kGateInKernel, kL2Norm>(p, st, rnorm, rows, gate_scale, gate_bias, tid, r_block);
+      intra_prepare_operands<kGateInKernel, kL2Norm>(p, st, rnorm, rows, gate_scale, gate_bias, tid);
       timer.mark(1);
 
       float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
@@ -342,25 +380,26 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       // Every warp is done reading QE/KE (ldmatrix) before they are rescaled in place.
       named_barrier_sync(NamedBarrierId::kIntra, 128);
 
-      // Step 6: QG = QE * exp2(r_b), KG = KE * exp2(r_b), one feature per thread.
+      // Step 6: QG = QE * exp2(r_b), KG = KE * exp2(r_b); thread owns 2 features x 32 rows.
       {
-        float s[kNumSubBlocks];
+        const int h = tid >> 6, cp = tid & 63;
+        const PairColumn addr(cp);
 #pragma unroll
-        for (int b = 0; b < kNumSubBlocks; ++b) s[b] = fast_exp2(r_block[b]);
-#pragma unroll
-        for (int b = 0; b < kNumSubBlocks; ++b) {
-          float qx[kSubBlock], kx[kSubBlock];
+        for (int bb = 0; bb < 2; ++bb) {
+          const int b = 2 * h + bb, row0 = kSubBlock * b;
+          const float2 rb = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
+          const float s0 = fast_exp2(rb.x), s1 = fast_exp2(rb.y);
+          uint32_t qx[kSubBlock], kx[kSubBlock];
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) {
-            const uint32_t off = sw128_offset(b * kSubBlock + ii, tid, kChunk);
-            qx[ii] = ld_bf16(st.q, off);
-            kx[ii] = ld_bf16(st.k, off);
+            qx[ii] = ld_bf16x2(st.q, addr(row0 + ii));
+            kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
           }
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) {
-            const uint32_t off = sw128_offset(b * kSubBlock + ii, tid, kChunk);
-            st_bf16(st.q, off, qx[ii] * s[b]);
-            st_bf16(st.k, off, kx[ii] * s[b]);
+            const float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
+            st_bf16x2(st.q, addr(row0 + ii), qv.x * s0, qv.y * s1);
+            st_bf16x2(st.k, addr(row0 + ii), kv.x * s0, kv.y * s1);
           }
         }
       }
