@@ -150,10 +150,15 @@ def main():
     ap.add_argument("lib")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--sanitizer-case", action="store_true",
+                    help="only one small varlen GVA case (for compute-sanitizer)")
     args = ap.parse_args()
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     lib = load(args.lib)
     results = []
+    if args.sanitizer_case:
+        ok = check(lib, 1, 200, 2, 4, cu_list=[0, 0, 1, 65, 130, 200])
+        sys.exit(0 if ok else 1)
     results.append(check(lib, 1, 64, 1, 1))
     results.append(check(lib, 1, 15, 1, 1, with_h0=False))
     results.append(check(lib, 2, 65, 2, 4, l2norm=False, gate_in_kernel=False))
