@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# The whole GPU round on the device machine (Hopper GPU, no network), from the repository root:
+#   wheels   pip install --no-deps the wheels in ./wheels (nvidia-cutlass, fla-core; git-ignored,
+#            so the device call must carry them: carry=["wheels"])
+#   build    MAX_JOBS=16 pip install --no-build-isolation --no-deps -e .   (log: $OUT/build.log)
+#   tests    python -m pytest tests -m gpu_sm90 -q -x --tb=short           (log: $OUT/gpu_tests.log)
+#   bench    python benchmarks/bench_kda_prefill.py --quick --json $OUT/bench.json --md $OUT/bench.md
+# plus $OUT/env.txt (GPU, driver, versions, commit) and $OUT/summary.txt.
+#
+#   OUT=/path bash scripts/device_check.sh       (OUT defaults to ./device_out)
+# Env: SKIP_WHEELS=1 SKIP_BUILD=1 SKIP_TESTS=1 SKIP_BENCH=1 skip a stage; COMMIT=<sha> names the
+# commit when .git did not travel; PYTHON (default python3); MAX_JOBS (default 16);
+# BENCH_ARGS (default "--quick"); PYTEST_ARGS (default "-q -x --tb=short").
+# Exit code: 0 when every stage that ran passed.
+set -o pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+
+OUT=${OUT:-$PWD/device_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export MAX_JOBS=${MAX_JOBS:-16}
+T0=$SECONDS
+SUMMARY=()
+FAILED=0
+
+note() { echo "[device_check] $*"; }
+record() {  # record NAME STATUS SECONDS [DETAIL]
+  local line
+  line=$(printf '%-7s %-8s %5ss  %s' "$1" "$2" "$3" "${4:-}")
+  SUMMARY+=("$line")
+  note "stage $1: $2 in $3s ${4:-}"
+  case $2 in ok | skipped) ;; *) FAILED=1 ;; esac
+}
+stage_begin() { echo; note "=== $1 ($(date -u +%H:%M:%S) UTC, +$((SECONDS - T0))s)"; S0=$SECONDS; }
+
+# --- environment -----------------------------------------------------------------------------------
+stage_begin env
+COMMIT_ID=${COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || true)}
+COMMIT_ID=${COMMIT_ID:-${COMMIT:-unknown (no .git; pass COMMIT=<sha>)}}
+{
+  echo "date_utc: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "commit: $COMMIT_ID"
+  echo "host: $(hostname) cpus: $(nproc)"
+  echo "python: $($PY --version 2>&1) ($(command -v "$PY"))"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+  echo "nvcc: $(nvcc --version 2>&1 | tail -1)"
+  $PY - <<'EOF' 2>&1
+import importlib, importlib.metadata as md
+import torch
+print(f"torch: {torch.__version__} (CUDA {torch.version.cuda})")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"gpu: {p.name}, capability {p.major}.{p.minor}, {p.multi_processor_count} SMs, "
+          f"{p.total_memory / 2**30:.1f} GiB")
+else:
+    print("gpu: torch.cuda.is_available() is False")
+for dist in ("triton", "fla-core", "nvidia-cutlass", "einops", "numpy"):
+    try:
+        print(f"{dist}: {md.version(dist)}")
+    except md.PackageNotFoundError:
+        print(f"{dist}: not installed")
+EOF
+  echo "--- nvidia-smi"
+  nvidia-smi 2>&1
+} >"$OUT/env.txt"
+sed -n '1,12p' "$OUT/env.txt"
+record env ok $((SECONDS - S0)) "$OUT/env.txt"
+
+# --- wheels -------------------------------------------------------------------------------------------
+if [[ "${SKIP_WHEELS:-0}" == 1 ]]; then
+  record wheels skipped 0
+else
+  stage_begin wheels
+  shopt -s nullglob
+  whls=(wheels/nvidia_cutlass-*.whl wheels/fla_core-*.whl)
+  shopt -u nullglob
+  if ((${#whls[@]} == 0)); then
+    record wheels missing $((SECONDS - S0)) "no wheels in ./wheels (carry=[\"wheels\"] in the device call?)"
+  elif $PY -m pip install -q --no-index --no-deps --no-cache-dir "${whls[@]}"; then
+    if $PY -c 'import einops' 2>/dev/null; then
+      record wheels ok $((SECONDS - S0)) "${whls[*]}"
+    else
+      record wheels ok $((SECONDS - S0)) "${whls[*]}; WARNING: einops missing (fla needs it)"
+    fi
+  else
+    record wheels FAILED $((SECONDS - S0)) "pip install ${whls[*]}"
+  fi
+fi
+
+# --- build ---------------------------------------------------------------------------------------------
+if [[ "${SKIP_BUILD:-0}" == 1 ]]; then
+  record build skipped 0
+else
+  stage_begin "build (MAX_JOBS=$MAX_JOBS)"
+  if CULA_REQUIRE_KERNELS=1 $PY -m pip install -v --no-index --no-build-isolation --no-deps -e . \
+      >"$OUT/build.log" 2>&1 &&
+     $PY -c 'import cula, sys; print("cula._C loaded:", cula.kernels_available()); sys.exit(0 if cula.kernels_available() else cula.kernels_unavailable_reason())' \
+      >>"$OUT/build.log" 2>&1; then
+    sed -nE 's@^\s*(\[[0-9]+/[0-9]+\]).* -c ([^ -][^ ]*).*@\1 \2@p' "$OUT/build.log" | tail -30
+    note "build.log: $(grep -ci 'warning' "$OUT/build.log") line(s) mention a warning"
+    grep -E 'bytes spill (stores|loads)' "$OUT/build.log" | grep -vE ' 0 bytes spill stores, 0 bytes spill loads' | head -5
+    record build ok $((SECONDS - S0)) "$OUT/build.log"
+  else
+    tail -60 "$OUT/build.log"
+    record build FAILED $((SECONDS - S0)) "see $OUT/build.log"
+  fi
+fi
+
+# --- GPU tests -------------------------------------------------------------------------------------------
+if [[ "${SKIP_TESTS:-0}" == 1 ]]; then
+  record tests skipped 0
+else
+  stage_begin "GPU tests"
+  # shellcheck disable=SC2086
+  $PY -m pytest tests -m gpu_sm90 ${PYTEST_ARGS:--q -x --tb=short} -rfEs 2>&1 | tee "$OUT/gpu_tests.log"
+  rc=${PIPESTATUS[0]}
+  last=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/gpu_tests.log" | tail -1)
+  case $rc in
+    0) record tests ok $((SECONDS - S0)) "$last" ;;
+    5) record tests NO_TESTS $((SECONDS - S0)) "no gpu_sm90 test was collected" ;;
+    *) record tests FAILED $((SECONDS - S0)) "pytest rc=$rc: $last" ;;
+  esac
+fi
+
+# --- benchmark --------------------------------------------------------------------------------------------
+if [[ "${SKIP_BENCH:-0}" == 1 ]]; then
+  record bench skipped 0
+elif [[ ! -f benchmarks/bench_kda_prefill.py ]]; then
+  record bench skipped 0 "benchmarks/bench_kda_prefill.py does not exist"
+else
+  stage_begin bench
+  # shellcheck disable=SC2086
+  $PY benchmarks/bench_kda_prefill.py ${BENCH_ARGS:---quick} --json "$OUT/bench.json" --md "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 |
+    tee "$OUT/bench.log"
+  rc=${PIPESTATUS[0]}
+  if ((rc == 0)); then
+    record bench ok $((SECONDS - S0)) "$OUT/bench.json $OUT/bench.md"
+  else
+    record bench FAILED $((SECONDS - S0)) "rc=$rc, see $OUT/bench.log"
+  fi
+fi
+
+# --- summary -----------------------------------------------------------------------------------------------
+{
+  echo "device_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ), total $((SECONDS - T0))s)"
+  echo "commit: $COMMIT_ID"
+  grep -m1 '^gpu:' "$OUT/env.txt" || true
+  grep -m1 '^torch:' "$OUT/env.txt" || true
+  printf '%s\n' "${SUMMARY[@]}"
+  if ((FAILED)); then echo "RESULT: FAILED"; else echo "RESULT: OK"; fi
+} | tee "$OUT/summary.txt"
+exit $FAILED
