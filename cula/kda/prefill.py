@@ -1,0 +1,536 @@
+"""KDA (Kimi Delta Attention) prefill forward: host-side validation and backend dispatch.
+
+Public entry point: :func:`kda_prefill` (re-exported as ``cula.kda.kda_prefill``).
+
+Every argument is validated on the host before anything runs; a bad argument raises
+``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape or value) whose message names
+the argument, what was expected and what came. Backend limits raise ``NotImplementedError`` (an
+argument the reference backend handles but the fused kernel does not) and environment problems
+(no Hopper GPU, extension not built) raise ``RuntimeError``. No caller tensor is ever modified,
+and no output is allocated before validation has passed.
+
+The backend that served the most recent call is observable through :func:`last_backend` (also the
+module attribute ``LAST_BACKEND``) and is logged at DEBUG level on the ``cula.kda.prefill`` logger.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import numbers
+import os
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["kda_prefill", "last_backend", "LAST_BACKEND"]
+
+_log = logging.getLogger(__name__)
+
+#: Name of the backend that served the most recent successful :func:`kda_prefill` call in this
+#: process: ``"sm90"`` or ``"reference"`` (``None`` before the first call). Updated after the
+#: backend has been chosen and has returned; a call that raises leaves it unchanged.
+LAST_BACKEND: str | None = None
+
+Backend = Literal["auto", "sm90", "reference"]
+StateLayout = Literal["kv", "vk"]
+
+_BACKENDS = ("auto", "sm90", "reference")
+_STATE_LAYOUTS = ("kv", "vk")
+_SAFE_GATE_MIN = -5.0  # safe_gate promises every log decay lies in [-5, 0)
+_SM90_HEAD_DIM = 128
+_SM90_CAPABILITY = (9, 0)
+_CHECK_CU_SEQLENS_ENV = "CULA_CHECK_CU_SEQLENS"
+_USE_REFERENCE_HINT = 'pass backend="reference" to run the (slow) PyTorch reference instead'
+
+
+def last_backend() -> str | None:
+    """Backend that served the most recent successful :func:`kda_prefill` call.
+
+    Returns ``"sm90"`` (the fused Hopper kernel), ``"reference"`` (the PyTorch recurrence) or
+    ``None`` if no call has succeeded yet in this process.
+    """
+    return LAST_BACKEND
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _desc(x: Any) -> str:
+    """Short description of a value for error messages."""
+    if isinstance(x, Tensor):
+        return f"a tensor of shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
+    text = repr(x)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(x).__name__} {text}"
+
+
+def _err(name: str, expected: str, got: Any, *, got_is_text: bool = False) -> str:
+    got_text = got if got_is_text else _desc(got)
+    return f"kda_prefill: `{name}` must be {expected}, got {got_text}"
+
+
+def _require_tensor(name: str, x: Any) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(_err(name, "a torch.Tensor", x))
+    return x
+
+
+def _require_optional_tensor(name: str, x: Any) -> Tensor | None:
+    if x is None:
+        return None
+    return _require_tensor(name, x)
+
+
+def _require_bool(name: str, x: Any) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(_err(name, "a bool (True or False)", x))
+    return x
+
+
+def _require_real(name: str, x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(_err(name, "a real Python number (int or float)", x))
+    return float(x)
+
+
+def _require_rank(name: str, x: Tensor, rank: int, dims: str) -> None:
+    if x.dim() != rank:
+        raise ValueError(_err(name, f"a {rank}-D tensor {dims}", x))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _is_sm90(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_capability(index) == _SM90_CAPABILITY
+
+
+def _validate_cu_seqlens_values(cu_seqlens: Tensor, total: int) -> None:
+    """Check that cu_seqlens starts at 0, never decreases and ends at ``total`` (host copy)."""
+    values = cu_seqlens.detach().to(device="cpu", dtype=torch.int64)
+    if int(values[0]) != 0:
+        raise ValueError(
+            _err("cu_seqlens", "a tensor whose first value is 0", f"first value {int(values[0])}",
+                 got_is_text=True)
+        )
+    steps = values[1:] - values[:-1]
+    bad = torch.nonzero(steps < 0)
+    if bad.numel() > 0:
+        i = int(bad[0, 0])
+        raise ValueError(
+            _err("cu_seqlens", "non-decreasing (sequence lengths >= 0)",
+                 f"cu_seqlens[{i}]={int(values[i])} > cu_seqlens[{i + 1}]={int(values[i + 1])}",
+                 got_is_text=True)
+        )
+    if int(values[-1]) != total:
+        raise ValueError(
+            _err("cu_seqlens", f"a tensor whose last value is the token count B*T={total}",
+                 f"last value {int(values[-1])}", got_is_text=True)
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+
+
+def _validate_options(
+    *,
+    scale: Any,
+    output_final_state: Any,
+    use_qk_l2norm_in_kernel: Any,
+    use_gate_in_kernel: Any,
+    safe_gate: Any,
+    lower_bound: Any,
+    state_layout: Any,
+    backend: Any,
+) -> tuple[float | None, float | None]:
+    """Non-tensor arguments. Returns (scale or None, lower_bound or None) as floats."""
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise ValueError(_err("backend", f"one of {_BACKENDS}", backend))
+    if not isinstance(state_layout, str) or state_layout not in _STATE_LAYOUTS:
+        raise ValueError(_err("state_layout", f"one of {_STATE_LAYOUTS}", state_layout))
+    _require_bool("output_final_state", output_final_state)
+    _require_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
+    _require_bool("use_gate_in_kernel", use_gate_in_kernel)
+    _require_bool("safe_gate", safe_gate)
+
+    scale_f: float | None = None
+    if scale is not None:
+        scale_f = _require_real("scale", scale)
+        if not (math.isfinite(scale_f) and scale_f > 0.0):
+            raise ValueError(_err("scale", "a finite number > 0 (or None for K**-0.5)", scale))
+
+    lb: float | None = None
+    if lower_bound is not None:
+        lb = _require_real("lower_bound", lower_bound)
+        if not use_gate_in_kernel:
+            raise ValueError(
+                _err("lower_bound", "None unless use_gate_in_kernel=True (it parametrises the "
+                     "in-kernel gate)", lower_bound)
+            )
+        if not (math.isfinite(lb) and lb < 0.0):
+            raise ValueError(_err("lower_bound", "a finite number < 0", lower_bound))
+        if safe_gate and lb < _SAFE_GATE_MIN:
+            raise ValueError(
+                _err("lower_bound", f"in [{_SAFE_GATE_MIN}, 0) when safe_gate=True (decays must "
+                     f"stay in [{_SAFE_GATE_MIN}, 0))", lower_bound)
+            )
+    elif safe_gate and use_gate_in_kernel:
+        raise ValueError(
+            _err("lower_bound", "set (e.g. -5.0) when safe_gate=True and use_gate_in_kernel=True: "
+                 "the softplus gate used without lower_bound is unbounded, so decays cannot be "
+                 f"promised to lie in [{_SAFE_GATE_MIN}, 0)", lower_bound)
+        )
+    return scale_f, lb
+
+
+def _validate_tensors(
+    q: Any, k: Any, v: Any, g: Any, beta: Any,
+    initial_state: Any, cu_seqlens: Any, A_log: Any, dt_bias: Any,
+    *,
+    use_gate_in_kernel: bool,
+    lower_bound: float | None,
+    state_layout: str,
+) -> int:
+    """Tensor arguments: kinds, ranks, shapes, dtypes, devices. Returns N (number of sequences)."""
+    q = _require_tensor("q", q)
+    k = _require_tensor("k", k)
+    v = _require_tensor("v", v)
+    g = _require_tensor("g", g)
+    beta = _require_tensor("beta", beta)
+    initial_state = _require_optional_tensor("initial_state", initial_state)
+    cu_seqlens = _require_optional_tensor("cu_seqlens", cu_seqlens)
+    A_log = _require_optional_tensor("A_log", A_log)
+    dt_bias = _require_optional_tensor("dt_bias", dt_bias)
+
+    # ---- ranks and shapes ----------------------------------------------------------------
+    _require_rank("q", q, 4, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    if B < 1 or H < 1 or K < 1:
+        raise ValueError(_err("q", "of shape [B, T, H, K] with B >= 1, H >= 1, K >= 1", q))
+    _require_rank("k", k, 4, "[B, T, H, K]")
+    if k.shape != q.shape:
+        raise ValueError(_err("k", f"of the same shape as q {tuple(q.shape)} = [B, T, H, K]", k))
+    _require_rank("v", v, 4, "[B, T, HV, V]")
+    if v.shape[:2] != (B, T):
+        raise ValueError(_err("v", f"of shape [B, T, HV, V] with B={B}, T={T} (as q)", v))
+    HV, V = v.shape[2], v.shape[3]
+    if HV < H or HV % H != 0:
+        raise ValueError(
+            _err("v", f"of shape [B, T, HV, V] with HV a positive multiple of H={H} "
+                 f"(value head hv reads q/k head hv // (HV // H))", v)
+        )
+    if V < 1:
+        raise ValueError(_err("v", "of shape [B, T, HV, V] with V >= 1", v))
+    _require_rank("g", g, 4, "[B, T, HV, K]")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(_err("g", f"of shape [B, T, HV, K] = {(B, T, HV, K)}", g))
+    _require_rank("beta", beta, 3, "[B, T, HV]")
+    if beta.shape != (B, T, HV):
+        raise ValueError(_err("beta", f"of shape [B, T, HV] = {(B, T, HV)}", beta))
+
+    # ---- dtypes ----------------------------------------------------------------------------
+    if not q.dtype.is_floating_point:
+        raise TypeError(_err("q", "a floating-point tensor (bfloat16 for the sm90 kernel)", q))
+    for name, t in (("k", k), ("v", v), ("g", g)):
+        if t.dtype != q.dtype:
+            raise TypeError(_err(name, f"of the same dtype as q ({q.dtype})", t))
+    beta_ok = (torch.float32, torch.bfloat16, q.dtype)
+    if beta.dtype not in beta_ok:
+        raise TypeError(_err("beta", "float32, bfloat16 or q's dtype", beta))
+
+    # ---- gate parameters -------------------------------------------------------------------
+    if A_log is not None:
+        if not use_gate_in_kernel:
+            raise ValueError(_err("A_log", "None unless use_gate_in_kernel=True", A_log))
+        if A_log.shape != (HV,):
+            raise ValueError(_err("A_log", f"of shape [HV] = ({HV},)", A_log))
+        if A_log.dtype != torch.float32:
+            raise TypeError(_err("A_log", "float32", A_log))
+    elif use_gate_in_kernel and lower_bound is None:
+        raise ValueError(
+            _err("A_log", "given (shape [HV], float32) when use_gate_in_kernel=True without "
+                 "lower_bound (softplus gate -exp(A_log) * softplus(g + dt_bias))", A_log)
+        )
+    if dt_bias is not None:
+        if not use_gate_in_kernel:
+            raise ValueError(_err("dt_bias", "None unless use_gate_in_kernel=True", dt_bias))
+        if dt_bias.shape not in ((HV * K,), (HV, K)):
+            raise ValueError(_err("dt_bias", f"of shape [HV*K] = ({HV * K},) (or [HV, K])",
+                                  dt_bias))
+        if dt_bias.dtype != torch.float32:
+            raise TypeError(_err("dt_bias", "float32", dt_bias))
+
+    # ---- devices ---------------------------------------------------------------------------
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias)):
+        if t is not None and t.device != q.device:
+            raise ValueError(_err(name, f"on the same device as q ({q.device})", t))
+
+    # ---- cu_seqlens ------------------------------------------------------------------------
+    N = B
+    if cu_seqlens is not None:
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(_err("cu_seqlens", "an int32 or int64 tensor", cu_seqlens))
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(_err("cu_seqlens", "a 1-D tensor [N + 1] with N >= 1", cu_seqlens))
+        if B != 1:
+            raise ValueError(
+                _err("cu_seqlens", "used with B == 1 (sequences packed along T)",
+                     f"q of shape {tuple(q.shape)} (B={B})", got_is_text=True)
+            )
+        N = cu_seqlens.shape[0] - 1
+        if cu_seqlens.device.type == "cpu" or os.environ.get(_CHECK_CU_SEQLENS_ENV) == "1":
+            _validate_cu_seqlens_values(cu_seqlens, B * T)
+
+    # ---- initial_state ---------------------------------------------------------------------
+    if initial_state is not None:
+        trailing = (K, V) if state_layout == "kv" else (V, K)
+        dims = "[N, HV, K, V]" if state_layout == "kv" else "[N, HV, V, K]"
+        expected_shape = (N, HV) + trailing
+        if initial_state.shape != expected_shape:
+            raise ValueError(
+                _err("initial_state", f"of shape {dims} = {expected_shape} for "
+                     f'state_layout="{state_layout}" (N = number of sequences)', initial_state)
+            )
+        if initial_state.dtype != torch.float32:
+            raise TypeError(_err("initial_state", "float32", initial_state))
+    return N
+
+
+def _check_sm90_arguments(q: Tensor, v: Tensor, beta: Tensor, safe_gate: bool, prefix: str) -> None:
+    """Argument-level limits of the fused kernel (no device queries)."""
+    if not safe_gate:
+        raise NotImplementedError(
+            f"{prefix}kda_prefill: `safe_gate` must be True for the sm90 kernel, got False. The "
+            f"kernel needs every log decay in [{_SAFE_GATE_MIN}, 0) (e.g. use_gate_in_kernel=True "
+            "with lower_bound=-5.0); the general-gate path is not "
+            f"implemented: set `safe_gate=True` if your gates satisfy it, or {_USE_REFERENCE_HINT}"
+        )
+    if q.dtype != torch.bfloat16:
+        raise TypeError(
+            prefix + _err("q", "bfloat16 (with k, v, g) for the sm90 kernel", q)
+            + f"; {_USE_REFERENCE_HINT}"
+        )
+    if beta.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(
+            prefix + _err("beta", "float32 or bfloat16 for the sm90 kernel", beta)
+            + f"; {_USE_REFERENCE_HINT}"
+        )
+    if q.shape[3] != _SM90_HEAD_DIM:
+        raise ValueError(
+            prefix + _err("q", f"of head dim K == {_SM90_HEAD_DIM} for the sm90 kernel", q)
+            + f"; {_USE_REFERENCE_HINT}"
+        )
+    if v.shape[3] != _SM90_HEAD_DIM:
+        raise ValueError(
+            prefix + _err("v", f"of head dim V == {_SM90_HEAD_DIM} for the sm90 kernel", v)
+            + f"; {_USE_REFERENCE_HINT}"
+        )
+
+
+def _check_sm90_environment(q: Tensor, prefix: str) -> None:
+    """Device and build requirements of the fused kernel."""
+    if q.device.type != "cuda":
+        raise ValueError(
+            prefix + _err("q", "a CUDA tensor on an SM90 (Hopper) GPU for backend=\"sm90\"", q)
+            + f"; {_USE_REFERENCE_HINT}"
+        )
+    if not _is_sm90(q.device):
+        cap = _device_capability(q.device.index if q.device.index is not None
+                                 else torch.cuda.current_device())
+        raise RuntimeError(
+            f"{prefix}kda_prefill: backend=\"sm90\" needs a GPU of compute capability 9.0 "
+            f"(Hopper), but q is on {q.device} with capability {cap[0]}.{cap[1]}; "
+            f"{_USE_REFERENCE_HINT}"
+        )
+    from cula._ext import kernels_available, kernels_unavailable_reason
+
+    if not kernels_available():
+        raise RuntimeError(
+            f"{prefix}kda_prefill: backend=\"sm90\" is unavailable: {kernels_unavailable_reason()} "
+            f"Or {_USE_REFERENCE_HINT}."
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+
+
+def kda_prefill(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    state_layout: StateLayout = "kv",
+    backend: Backend = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """KDA (Kimi Delta Attention) prefill forward.
+
+    Per value head, with an fp32 state ``S`` of shape ``[K, V]``, for each token ``t``::
+
+        S   <- diag(exp(g_t)) @ S                      # per-key-row decay, g_t <= 0
+        S   <- S + beta_t * k_t (x) (v_t - S^T k_t)    # delta rule
+        o_t  = scale * S^T q_t
+
+    Shapes (B batch, T tokens, H query/key heads, HV value heads, K key dim, V value dim):
+
+    * ``q``, ``k``: ``[B, T, H, K]``.
+    * ``v``: ``[B, T, HV, V]``. ``HV >= H`` and ``HV % H == 0`` (grouped value attention): value
+      head ``hv`` reads q/k head ``hv // (HV // H)``.
+    * ``g``: ``[B, T, HV, K]``: the per-key log decay (natural log, <= 0), or, with
+      ``use_gate_in_kernel=True``, the raw gate input.
+    * ``beta``: ``[B, T, HV]``, float32 or bfloat16 (the reference backend also takes q's dtype).
+    * ``initial_state``: float32 ``[N, HV, K, V]`` (``state_layout="kv"``) or ``[N, HV, V, K]``
+      (``"vk"``); ``N`` is ``B``, or ``len(cu_seqlens) - 1`` with ``cu_seqlens``. Zeros if None.
+    * ``cu_seqlens``: int32 or int64 ``[N + 1]`` cumulative sequence offsets of ``N`` sequences
+      packed along T; requires ``B == 1``. Values must start at 0, be non-decreasing and end at
+      ``T``. They are checked on the host when ``cu_seqlens`` is a CPU tensor (or, at the cost of
+      one device sync, when the environment variable ``CULA_CHECK_CU_SEQLENS=1``); values of a
+      GPU ``cu_seqlens`` are otherwise **trusted**: the fused kernel indexes q/k/v/g/beta/o with
+      them, so out-of-range values are undefined behaviour.
+    * ``A_log``: float32 ``[HV]``; ``dt_bias``: float32 ``[HV * K]`` (``[HV, K]`` is accepted too).
+      Only with ``use_gate_in_kernel=True``.
+
+    Returns ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in q's dtype; ``final_state`` is the
+    float32 state after the last token of each sequence, in ``state_layout``
+    (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or ``None`` unless ``output_final_state=True``.
+
+    Args:
+        scale: output scale, finite and > 0; default ``K ** -0.5``.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K before use.
+        use_gate_in_kernel: treat ``g`` as raw gate input; the log decay is
+            ``-exp(A_log[hv]) * softplus(g + dt_bias[hv])`` (needs ``A_log``), or with
+            ``lower_bound``: ``lower_bound * sigmoid(exp(A_log[hv]) * (g + dt_bias[hv]))``
+            (``A_log`` optional: ``lower_bound * sigmoid(g + dt_bias[hv])``).
+        safe_gate: the caller promises every log decay lies in ``[-5, 0)``. Required by the sm90
+            kernel. With ``use_gate_in_kernel=True`` it requires ``lower_bound`` in ``[-5, 0)``;
+            with ``use_gate_in_kernel=False`` the promise about ``g`` is not checked (that would
+            cost a pass over g and a sync): values outside it give inaccurate results.
+        lower_bound: finite and < 0; only with ``use_gate_in_kernel=True``.
+        state_layout: ``"kv"`` (FLA's default) or ``"vk"`` (FLA's ``state_v_first=True``).
+        backend: ``"sm90"`` (the fused Hopper kernel: bf16 q/k/v/g, K == V == 128,
+            ``safe_gate=True``, compute capability 9.0, compiled extension), ``"reference"``
+            (the fp32 PyTorch recurrence, any device, slow), or ``"auto"``: ``"sm90"`` on an SM90
+            GPU, ``"reference"`` on CPU and other GPUs. On an SM90 GPU ``"auto"`` never falls back
+            silently: arguments the kernel does not support raise an error that names them.
+            :func:`last_backend` tells which backend served the last call.
+
+    Non-contiguous inputs are copied to contiguous tensors first (one extra copy each); inputs
+    are never modified. Validation happens before anything runs or is allocated: bad arguments
+    raise ``TypeError``/``ValueError`` naming the argument; arguments outside the sm90 kernel's
+    coverage raise ``NotImplementedError``/``TypeError``/``ValueError`` pointing to
+    ``backend="reference"``; a missing GPU or extension raises ``RuntimeError``.
+
+    Example::
+
+        import torch
+        from cula.kda import kda_prefill
+
+        B, T, H, HV, D = 1, 4096, 16, 32, 128
+        dev, bf16 = "cuda", torch.bfloat16
+        q = torch.randn(B, T, H, D, device=dev, dtype=bf16)
+        k = torch.randn(B, T, H, D, device=dev, dtype=bf16)
+        v = torch.randn(B, T, HV, D, device=dev, dtype=bf16)
+        g = torch.randn(B, T, HV, D, device=dev, dtype=bf16)          # raw gate
+        beta = torch.rand(B, T, HV, device=dev, dtype=torch.float32)
+        A_log = torch.zeros(HV, device=dev)
+        dt_bias = torch.zeros(HV * D, device=dev)
+        cu = torch.tensor([0, 1000, 4096], device=dev, dtype=torch.int32)   # N = 2 sequences
+        h0 = torch.zeros(2, HV, D, D, device=dev)                            # [N, HV, K, V]
+        o, ht = kda_prefill(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                            cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                            safe_gate=True, lower_bound=-5.0)
+        # o: [1, 4096, 32, 128] bf16; ht: [2, 32, 128, 128] fp32
+    """
+    global LAST_BACKEND
+
+    # 1. argument-level checks: never touch the device, never allocate.
+    scale_f, lb = _validate_options(
+        scale=scale, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        safe_gate=safe_gate, lower_bound=lower_bound, state_layout=state_layout, backend=backend,
+    )
+    _validate_tensors(
+        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lb, state_layout=state_layout,
+    )
+    if scale_f is None:
+        scale_f = float(q.shape[3]) ** -0.5
+
+    # 2. backend selection: argument limits of the kernel first, then device and build.
+    if backend == "sm90":
+        _check_sm90_arguments(q, v, beta, safe_gate, prefix="")
+        _check_sm90_environment(q, prefix="")
+        chosen = "sm90"
+    elif backend == "reference":
+        chosen = "reference"
+    elif _is_sm90(q.device):  # auto on Hopper: the fused kernel or an explicit error
+        prefix = 'backend="auto" chose the sm90 kernel on this Hopper GPU, but: '
+        _check_sm90_arguments(q, v, beta, safe_gate, prefix=prefix)
+        _check_sm90_environment(q, prefix=prefix)
+        chosen = "sm90"
+    else:  # auto on CPU or a non-Hopper device
+        chosen = "reference"
+
+    # 3. contiguous copies (no-ops for contiguous inputs); the caller's tensors are never written.
+    q_c, k_c, v_c, g_c, beta_c = (t.contiguous() for t in (q, k, v, g, beta))
+    h0_c = initial_state.contiguous() if initial_state is not None else None
+    cu_c = cu_seqlens.contiguous() if cu_seqlens is not None else None
+    A_log_c = A_log.contiguous() if A_log is not None else None
+    dt_bias_c = dt_bias.reshape(-1).contiguous() if dt_bias is not None else None
+
+    if chosen == "sm90":
+        from cula._ext import get_ext
+
+        outs = get_ext().kda_prefill_sm90(
+            q_c, k_c, v_c, g_c, beta_c, A_log_c, dt_bias_c, h0_c, cu_c,
+            float(scale_f), float(lb if lb is not None else 0.0),
+            bool(use_gate_in_kernel), bool(use_qk_l2norm_in_kernel), state_layout == "vk",
+            bool(output_final_state),
+        )
+        o = outs[0]
+        final_state = outs[1] if output_final_state and len(outs) > 1 else None
+    else:
+        from cula.kda.reference import kda_recurrent_reference
+
+        o_ref, s_ref = kda_recurrent_reference(
+            q_c, k_c, v_c, g_c, beta_c,
+            scale=scale_f, initial_state=h0_c, output_final_state=output_final_state,
+            cu_seqlens=cu_c, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log_c, dt_bias=dt_bias_c,
+            lower_bound=lb, state_layout=state_layout, dtype=torch.float32,
+        )
+        o = o_ref.to(q.dtype)
+        final_state = (s_ref.to(torch.float32)
+                       if output_final_state and s_ref is not None else None)
+
+    LAST_BACKEND = chosen
+    _log.debug("kda_prefill: backend=%s (requested %s) q=%s HV=%d device=%s varlen=%s",
+               chosen, backend, tuple(q.shape), v.shape[2], q.device, cu_seqlens is not None)
+    return o, final_state

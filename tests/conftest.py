@@ -1,0 +1,75 @@
+"""Shared pytest configuration for cula.
+
+* ``@pytest.mark.gpu_sm90``: tests that need an SM90 (Hopper) CUDA GPU *and* the compiled
+  extension ``cula._C``. They are skipped, with the reason shown by ``pytest -rs``, where either is
+  missing. ``requires_sm90`` is the same condition as a ready-made ``skipif`` mark, and the
+  ``sm90_device`` fixture returns the device (skipping likewise).
+* ``seed`` fixture: a fresh random seed per test (from ``os.urandom``), applied to torch and
+  printed, so a failure shows how to reproduce it. Set ``CULA_TEST_SEED=<n>`` to replay a seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def sm90_unavailable_reason() -> str:
+    """"" when an SM90 GPU and the compiled extension are both present, else why not."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    cap = torch.cuda.get_device_capability(0)
+    if cap != (9, 0):
+        name = torch.cuda.get_device_name(0)
+        return f"needs an SM90 (Hopper) GPU, found {name} with capability {cap[0]}.{cap[1]}"
+    from cula._ext import kernels_available, kernels_unavailable_reason
+
+    if not kernels_available():
+        return f"needs the compiled extension: {kernels_unavailable_reason()}"
+    return ""
+
+
+requires_sm90 = pytest.mark.skipif(
+    bool(sm90_unavailable_reason()), reason=sm90_unavailable_reason() or "SM90 available"
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "gpu_sm90: needs an SM90 (Hopper) CUDA GPU and the compiled cula._C extension "
+        "(skipped with the reason otherwise)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = sm90_unavailable_reason()
+    if not reason:
+        return
+    skip = pytest.mark.skip(reason=f"gpu_sm90: {reason}")
+    for item in items:
+        if "gpu_sm90" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def sm90_device() -> torch.device:
+    """The SM90 CUDA device; skips the test (with the reason) where there is none."""
+    reason = sm90_unavailable_reason()
+    if reason:
+        pytest.skip(f"gpu_sm90: {reason}")
+    return torch.device("cuda", 0)
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    """A fresh seed per test, applied with torch.manual_seed (CPU and CUDA) and printed."""
+    env = os.environ.get("CULA_TEST_SEED")
+    value = int(env) if env else int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(value)
+    print(f"[seed] {request.node.nodeid}: CULA_TEST_SEED={value}")
+    return value
