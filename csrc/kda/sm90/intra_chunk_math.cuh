@@ -154,12 +154,11 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
   named_barrier_sync(NamedBarrierId::kIntra, 128);
 }
 
-// Step 4: one attention-like matrix, acc[bj][8] (m64n16 fragments) = X . diag(...) . KT^T, X = QE or KE.
-// The A fragments of k-step ks+1 are built (ldmatrix, rescale, pack) while the WGMMAs of ks run:
-// two fragment sets, commit groups of four WGMMAs, wait until at most one group is in flight.
-__device__ __forceinline__ void intra_attention_matrix(const StageStorage& st, uint32_t x_base, int warp, int lane,
-                                                       float (&acc)[kNumSubBlocks][8]) {
-  const uint32_t kt_base = smem_u32(st.g);
+// Step 4: A_qk and A_kk accumulators, [bj][8] each (m64n16 fragments).
+__device__ __forceinline__ void intra_attention_matrices(const StageStorage& st, int warp, int lane,
+                                                         float (&aqk)[kNumSubBlocks][8],
+                                                         float (&akk)[kNumSubBlocks][8]) {
+  const uint32_t q_base = smem_u32(st.q), k_base = smem_u32(st.k), kt_base = smem_u32(st.g);
   const int lm_row = kSubBlock * warp + (lane & 7) + ((lane >> 3) & 1) * 8;
   const int lm_hi = (lane >> 4) & 1;
   const int t4 = lane & 3;
@@ -167,22 +166,23 @@ __device__ __forceinline__ void intra_attention_matrix(const StageStorage& st, u
 #pragma unroll
   for (int bj = 0; bj < kNumSubBlocks; ++bj) {
 #pragma unroll
-    for (int r = 0; r < 8; ++r) acc[bj][r] = 0.f;
-    fence_accumulators(acc[bj]);
+    for (int r = 0; r < 8; ++r) aqk[bj][r] = akk[bj][r] = 0.f;
   }
 
-  uint32_t frag[2][kNumSubBlocks][4];
-#pragma unroll
+#pragma unroll 1
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    const int set = ks & 1;
     const uint32_t box_off = (ks >> 2) * kBoxBytes;
-    uint32_t xf[4];
-    ldmatrix_x4(x_base + box_off + sw128_chunk_offset(lm_row, (ks & 3) * 2 + lm_hi), xf);
+    const uint32_t lm_off = box_off + sw128_chunk_offset(lm_row, (ks & 3) * 2 + lm_hi);
+    uint32_t qf[4], kf[4];
+    ldmatrix_x4(q_base + lm_off, qf);
+    ldmatrix_x4(k_base + lm_off, kf);
 
     // Features of this thread's fragment: c0, c0+1 (regs 0, 1) and c0+8, c0+9 (regs 2, 3).
     const int c0 = ks * 16 + 2 * t4;
     const float rw0 = st.r_block[warp][c0], rw1 = st.r_block[warp][c0 + 1];
     const float rw8 = st.r_block[warp][c0 + 8], rw9 = st.r_block[warp][c0 + 9];
+
+    uint32_t qa[kNumSubBlocks][4], ka[kNumSubBlocks][4];
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
       // Column block bj < warp: rescale by exp2(r_w - r_bj); bj == warp: as is; bj > warp: zero.
@@ -198,30 +198,34 @@ __device__ __forceinline__ void intra_attention_matrix(const StageStorage& st, u
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const float sa = r < 2 ? s0 : s8, sb = r < 2 ? s1 : s9;
-        const float2 xv = bf16x2_to_float2(xf[r]);
-        frag[set][bj][r] = float2_to_bf16x2(xv.x * sa, xv.y * sb);
+        const float2 qv = bf16x2_to_float2(qf[r]);
+        const float2 kv = bf16x2_to_float2(kf[r]);
+        qa[bj][r] = float2_to_bf16x2(qv.x * sa, qv.y * sb);
+        ka[bj][r] = float2_to_bf16x2(kv.x * sa, kv.y * sb);
       }
     }
 
-    // No accumulator fence inside the loop: touching the accumulators between WGMMAs would make
-    // the compiler wait for the previous group; consecutive WGMMAs chain on them in hardware.
+#pragma unroll
+    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+      fence_accumulators(aqk[bj]);
+      fence_accumulators(akk[bj]);
+    }
     wgmma_fence();
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
       const uint64_t db = desc_k_major(kt_base + box_off + bj * (kSubBlock * 128) + (ks & 3) * 32);
-      wgmma_rs_n16(frag[set][bj], db, acc[bj], true);
+      wgmma_rs_n16(qa[bj], db, aqk[bj], true);
+      wgmma_rs_n16(ka[bj], db, akk[bj], true);
     }
     wgmma_commit();
-    wgmma_wait<1>();  // k-step ks-1 is done: its fragment set may be rebuilt
+    wgmma_wait<0>();
 #pragma unroll
-    for (int bj = 0; bj < kNumSubBlocks; ++bj) fence_fragment(frag[set ^ 1][bj]);
-  }
-  wgmma_wait<0>();
-#pragma unroll
-  for (int bj = 0; bj < kNumSubBlocks; ++bj) {
-    fence_fragment(frag[0][bj]);
-    fence_fragment(frag[1][bj]);
-    fence_accumulators(acc[bj]);
+    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+      fence_fragment(qa[bj]);
+      fence_fragment(ka[bj]);
+      fence_accumulators(aqk[bj]);
+      fence_accumulators(akk[bj]);
+    }
   }
 }
 
@@ -350,8 +354,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       timer.mark(1);
 
       float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
-      intra_attention_matrix(st, smem_u32(st.k), warp, lane, akk);
-      intra_attention_matrix(st, smem_u32(st.q), warp, lane, aqk);
+      intra_attention_matrices(st, warp, lane, aqk, akk);
       timer.mark(2);
 
       // Step 5: masks, beta; A_qk -> stage (bf16), A_kk -> scratch (fp32).
