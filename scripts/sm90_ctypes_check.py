@@ -19,42 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-try:
-    from cula.kda.reference import kda_recurrent_reference  # noqa: E402
-except ImportError:  # reference module not there yet: a minimal fp32 recurrence (kv layout)
-    def kda_recurrent_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                                state_layout="kv"):
-        q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-        B, T, H, K = q.shape
-        HV = v.shape[2]
-        if use_qk_l2norm_in_kernel:
-            q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-            k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        if use_gate_in_kernel:
-            x = g + (0 if dt_bias is None else dt_bias.view(HV, K))
-            if A_log is not None:
-                x = x * A_log.exp().view(HV, 1)
-            g = lower_bound * torch.sigmoid(x)
-        rep = HV // H
-        q, k = q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2)
-        if cu_seqlens is None:
-            bounds = [(b, 0, T) for b in range(B)]
-        else:
-            cu = cu_seqlens.tolist()
-            bounds = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
-        o = torch.zeros_like(v)
-        states = []
-        for n, (b, s0, s1) in enumerate(bounds):
-            S = torch.zeros(HV, K, K, device=q.device) if initial_state is None else initial_state[n].float().clone()
-            for t in range(s0, s1):
-                S = S * g[b, t].exp()[:, :, None]
-                kt, vt = k[b, t], v[b, t]
-                pred = torch.einsum("hk,hkv->hv", kt, S)
-                S = S + torch.einsum("hk,hv->hkv", kt, (vt - pred) * beta[b, t][:, None])
-                o[b, t] = scale * torch.einsum("hk,hkv->hv", q[b, t], S)
-            states.append(S)
-        return o, torch.stack(states)
+from cula.kda.reference import kda_recurrent_reference  # noqa: E402
 
 GATE_IN_KERNEL, QK_L2NORM, BETA_BF16, CU_INT64, STATE_VK = 1, 2, 4, 8, 16
 
