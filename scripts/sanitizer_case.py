@@ -1,0 +1,117 @@
+"""A small varlen GVA workload of the fused SM90 kernel, for compute-sanitizer.
+
+Run by scripts/sanitizer_check.sh under memcheck, racecheck and synccheck; runs on its own too:
+
+    python scripts/sanitizer_case.py
+
+H=2 q/k heads, HV=4 value heads, cu_seqlens [0, 0, 1, 65, 130, 200] (an empty sequence, a
+length-1 one, 64 and 65 tokens across chunk edges, a 70-token tail), once per kernel
+instantiation (gate in kernel / given x l2norm on / off), with both state layouts, both beta
+dtypes, int32 and int64 cu_seqlens, with and without an initial state, and once without the
+final state. Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the
+GPU work that the sanitizer instruments is the copies and the kernel itself.
+
+Exit status: 0 when every call ran on backend "sm90" and matched the fp32 reference (relative L2
+error <= 5e-3, all finite); 1 on a mismatch; 2 when the fused kernel cannot run here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+try:
+    import cula  # noqa: F401  (an installed cula, or the repository on PYTHONPATH)
+except ImportError:  # run from a checkout with the extension built in place
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+from cula.kda import kda_prefill, last_backend
+from cula.kda.reference import kda_recurrent_reference
+
+CU = [0, 0, 1, 65, 130, 200]
+H, HV, D = 2, 4, 128
+RTOL = 5e-3
+
+# (gate in kernel, l2norm, state layout, beta bf16, cu int64, initial state, final state)
+CONFIGS = [
+    (True, True, "kv", False, False, True, True),
+    (True, False, "vk", True, True, True, True),
+    (False, True, "vk", False, True, False, True),
+    (False, False, "kv", True, False, True, True),
+    (True, True, "vk", True, False, True, False),
+]
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def run_one(gate_in: bool, l2: bool, layout: str, beta_bf16: bool, cu64: bool, with_h0: bool,
+            want_state: bool) -> bool:
+    T, N = CU[-1], len(CU) - 1
+    bf16 = torch.bfloat16
+    q = torch.randn(1, T, H, D)
+    k = torch.randn(1, T, H, D)
+    if not l2:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = torch.randn(1, T, HV, D)
+    g = torch.randn(1, T, HV, D) if gate_in else (-5.0 * torch.rand(1, T, HV, D)).clamp(-5.0, -1e-3)
+    beta = torch.sigmoid(torch.randn(1, T, HV))
+    cpu = dict(
+        q=q.to(bf16), k=k.to(bf16), v=v.to(bf16), g=g.to(bf16),
+        beta=beta.to(bf16) if beta_bf16 else beta,
+        initial_state=0.1 * torch.randn(N, HV, D, D) if with_h0 else None,
+        cu_seqlens=torch.tensor(CU, dtype=torch.int64 if cu64 else torch.int32),
+        A_log=0.1 * torch.randn(HV) if gate_in else None,
+        dt_bias=0.1 * torch.randn(HV * D) if gate_in else None,
+        use_gate_in_kernel=gate_in, use_qk_l2norm_in_kernel=l2,
+        lower_bound=-5.0 if gate_in else None, state_layout=layout,
+    )
+    gpu = {name: x.cuda() if isinstance(x, torch.Tensor) else x for name, x in cpu.items()}
+
+    o, fs = kda_prefill(**gpu, output_final_state=want_state, safe_gate=True, backend="sm90")
+    torch.cuda.synchronize()
+    assert last_backend() == "sm90", last_backend()
+    o, fs = o.cpu(), (fs.cpu() if fs is not None else None)
+
+    ref_o, ref_s = kda_recurrent_reference(**cpu, output_final_state=True, dtype=torch.float32)
+    finite = bool(torch.isfinite(o.float()).all()) and (fs is None or bool(torch.isfinite(fs).all()))
+    eo = rel(o, ref_o)
+    es = rel(fs, ref_s) if fs is not None else 0.0
+    empty_ok = True
+    if fs is not None:
+        for n in range(N):
+            if CU[n + 1] == CU[n]:
+                want = cpu["initial_state"][n] if with_h0 else torch.zeros_like(fs[n])
+                empty_ok &= bool(torch.equal(fs[n], want))
+    ok = finite and eo <= RTOL and es <= RTOL and empty_ok and (fs is None) == (not want_state)
+    print(f"{'ok  ' if ok else 'FAIL'} gate={'kernel' if gate_in else 'given':6s} l2norm={int(l2)} "
+          f"layout={layout} beta={'bf16' if beta_bf16 else 'fp32'} cu={'int64' if cu64 else 'int32'} "
+          f"h0={int(with_h0)} final_state={int(want_state)}: err o {eo:.2e}, state {es:.2e}, "
+          f"finite={finite}, empty-sequence state={'ok' if empty_ok else 'WRONG'}", flush=True)
+    return ok
+
+
+def main() -> int:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
+        print("sanitizer_case: needs an SM90 (Hopper) GPU", file=sys.stderr)
+        return 2
+    from cula._ext import kernels_available, kernels_unavailable_reason
+
+    if not kernels_available():
+        print(f"sanitizer_case: {kernels_unavailable_reason()}", file=sys.stderr)
+        return 2
+    torch.manual_seed(int(os.environ.get("CULA_TEST_SEED", "0")))
+    print(f"sanitizer_case: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"H={H} HV={HV} cu_seqlens={CU}", flush=True)
+    results = [run_one(*cfg) for cfg in CONFIGS]
+    print(f"sanitizer_case: {sum(results)}/{len(results)} calls matched the reference", flush=True)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
