@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 
 #include "kda_prefill_kernel.cuh"
@@ -26,11 +27,16 @@ cudaError_t launch_kda_prefill(const KdaPrefillParams& params, cudaStream_t stre
   if ((err = make_token_head_feature_map(&kp.tma_g, params.g, tokens, params.num_v_heads)) != cudaSuccess) return err;
 
   auto kernel = kda_prefill_sm90_kernel<kGateInKernel, kL2Norm>;
-  static bool attribute_set = false;  // per instantiation; idempotent, so a race is harmless
-  if (!attribute_set) {
+  // The shared-memory opt-in is per device: remember it per device ordinal (idempotent, so two
+  // threads racing to set it is harmless).
+  static std::atomic<uint64_t> attribute_set_mask{0};
+  int device = 0;
+  if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if ((attribute_set_mask.load(std::memory_order_relaxed) & bit) == 0) {
     if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes)) != cudaSuccess)
       return err;
-    attribute_set = true;
+    attribute_set_mask.fetch_or(bit, std::memory_order_relaxed);
   }
   const int64_t num_tiles = int64_t(params.num_seqs) * params.num_v_heads;
   const int grid = int(std::min<int64_t>(num_tiles, INT_MAX));
