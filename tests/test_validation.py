@@ -555,3 +555,21 @@ def test_sm90_dispatch_calls_extension_with_documented_arguments(monkeypatch) ->
     o, ht = kda_prefill(**kw)
     assert ht is None and prefill_mod.last_backend() == "sm90"
     assert calls[-1][9:] == (0.25, -5.0, True, True, True, False)
+
+
+def test_dense_copies_only_misaligned_or_strided_inputs():
+    """Inputs reach the kernel contiguous and 16-byte aligned; ordinary tensors are not copied."""
+    from cula.kda.prefill import _dense
+
+    base = torch.randn(1 + 4 * 8 * 2 * 16)
+    aligned = base[: 4 * 8 * 2 * 16].view(4, 8, 2, 16)
+    assert _dense(aligned).data_ptr() == aligned.data_ptr()
+
+    shifted = base[1:].view(4, 8, 2, 16)  # contiguous view, 4-byte offset
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
+    out = _dense(shifted)
+    assert out.data_ptr() % 16 == 0 and out.is_contiguous() and torch.equal(out, shifted)
+
+    strided = aligned.transpose(1, 2)
+    out = _dense(strided)
+    assert out.is_contiguous() and out.data_ptr() % 16 == 0 and torch.equal(out, strided)

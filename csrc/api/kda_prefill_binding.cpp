@@ -16,6 +16,8 @@ void check_cuda_contiguous(const at::Tensor& t, const char* name, const at::Devi
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
   TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+              " must start on a 16-byte boundary (a view with an element offset: pass a copy)");
 }
 
 std::vector<at::Tensor> kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -365,6 +365,18 @@ def _check_sm90_environment(q: Tensor, prefix: str) -> None:
         )
 
 
+def _dense(t: Tensor) -> Tensor:
+    """``t`` as a contiguous tensor whose data starts on a 16-byte boundary.
+
+    The fused kernel reads with TMA and vector loads, which need aligned addresses; a contiguous
+    view with an element offset (e.g. ``x[1:]``) is copied rather than read misaligned.
+    """
+    t = t.contiguous()
+    if t.data_ptr() % 16 != 0:
+        t = t.clone()
+    return t
+
+
 # ----------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------
@@ -498,12 +510,13 @@ def kda_prefill(
     else:  # auto on CPU or a non-Hopper device
         chosen = "reference"
 
-    # 3. contiguous copies (no-ops for contiguous inputs); the caller's tensors are never written.
-    q_c, k_c, v_c, g_c, beta_c = (t.contiguous() for t in (q, k, v, g, beta))
-    h0_c = initial_state.contiguous() if initial_state is not None else None
-    cu_c = cu_seqlens.contiguous() if cu_seqlens is not None else None
-    A_log_c = A_log.contiguous() if A_log is not None else None
-    dt_bias_c = dt_bias.reshape(-1).contiguous() if dt_bias is not None else None
+    # 3. contiguous, 16-byte aligned copies (no-ops for ordinary inputs); the caller's tensors are
+    #    never written.
+    q_c, k_c, v_c, g_c, beta_c = (_dense(t) for t in (q, k, v, g, beta))
+    h0_c = _dense(initial_state) if initial_state is not None else None
+    cu_c = _dense(cu_seqlens) if cu_seqlens is not None else None
+    A_log_c = _dense(A_log) if A_log is not None else None
+    dt_bias_c = _dense(dt_bias.reshape(-1)) if dt_bias is not None else None
 
     if chosen == "sm90":
         from cula._ext import get_ext
