@@ -3,7 +3,7 @@
 // For chunk c it runs while the state warpgroups work on chunk c-1 (the stages of the ring are
 // the hand-off). Per chunk (64 rows i, 128 features, one value head), in log2 units:
 //
-//   1. l2 norms of the q and k rows (optional)                           -> rnorm
+//   1. per row: l2 norms of q and k (optional), q.k in fp32, v <- beta v -> rnorm, A_qk[i,i]
 //   2. gate activation and per-feature cumsum G_i over the chunk, one feature per thread;
 //      rows past the sequence end get a zero decay, so G stops there     -> r_b = G at block ends
 //   3. per element e = exp2(G_i - r_b) (>= 1) and f = exp2(r_b - G_i) (<= 1), b = block of i:
@@ -12,11 +12,13 @@
 //      rescaled per feature by exp2(r_w - r_bj) <= 1 for the warp's row block w > bj, B = KT.
 //      The factors of exp2(G_i - G_j) never exceed the span of one 16-row block (<= 2^116 with
 //      safe gates), so nothing overflows.
-//   5. masks (A_qk: j <= i; A_kk: j < i, times beta_i); A_qk -> stage (bf16), A_kk -> scratch
-//   6. QG = QE exp2(r_b) = q exp2(G), KG = KE exp2(r_b) = k exp2(G)      (in place)
+//   5. masks (A_qk: j <= i, its diagonal from step 1; A_kk: j < i, times beta_i); A_qk -> stage
+//      (bf16), A_kk -> scratch
+//   6. QG = QE exp2(r_b) = q exp2(G), KG = beta KE exp2(r_b) = beta k exp2(G)
+//                                                                        (in place)
 //   7. M = (I + A_kk)^-1 in fp32: 16x16 diagonal blocks by forward substitution (one warp each),
 //      then row blocks bi = 1..3: M[bi,<bi] = -M[bi,bi] (A[bi,<bi] M[<bi,<bi])
-//   8. M' = M diag(beta) (bf16);  W = M' KG -> k slot,  U = M' v -> v slot  (WGMMA)
+//   8. M (bf16);  W = M KG -> k slot,  U = M (beta v) -> v slot  (WGMMA)
 //   9. arrive on the stage's `ready` barrier.
 #pragma once
 
@@ -58,27 +60,61 @@ __device__ __forceinline__ void st_bf16x2(uint8_t* base, uint32_t off, float lo,
 // half; only the block-end values r_b of the second half get the first half's total added.
 template <bool kGateInKernel, bool kL2Norm>
 __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, StageStorage& st, float* rnorm,
+                                                       float* row_stats,
                                                        int rows, float gate_scale, float2 gate_bias, int tid) {
-  if constexpr (kL2Norm) {
-    // Thread r owns row r of q (r < 64) or of k (r >= 64).
-    const uint8_t* src = tid < 64 ? st.q : st.k;
-    const int r = tid & 63;
-    float ss = 0.f;
+  // Row statistics: thread (half, r) reads features [64 half, 64 half + 64) of row r of q and of k
+  // and sums q.q, k.k and q.k over them; the halves are added through shared memory. The same
+  // pass scales row r of v by beta_r.
+  {
+    const int r = tid & 63, half = tid >> 6;
+    const uint8_t* q_row = st.q + half * kBoxBytes;
+    const uint8_t* k_row = st.k + half * kBoxBytes;
+    uint8_t* v_row = st.v + half * kBoxBytes;
+    const float beta = st.beta[r];
+    float qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll
-    for (int box = 0; box < 2; ++box) {
+    for (int x = 0; x < 8; ++x) {
+      const uint4 qraw = *reinterpret_cast<const uint4*>(q_row + sw128_chunk_offset(r, x));
+      const uint4 kraw = *reinterpret_cast<const uint4*>(k_row + sw128_chunk_offset(r, x));
+      // v <- beta v (the right-hand operand of U = M (beta v)), 16 bytes at a time.
+      uint4 vraw = *reinterpret_cast<const uint4*>(v_row + sw128_chunk_offset(r, x));
+      uint32_t* vw = reinterpret_cast<uint32_t*>(&vraw);
 #pragma unroll
-      for (int x = 0; x < 8; ++x) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(src + box * kBoxBytes + sw128_chunk_offset(r, x));
-        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      for (int u = 0; u < 4; ++u) {
+        const float2 f = bf16x2_to_float2(vw[u]);
+        vw[u] = float2_to_bf16x2(f.x * beta, f.y * beta);
+      }
+      *reinterpret_cast<uint4*>(v_row + sw128_chunk_offset(r, x)) = vraw;
+      const uint32_t qw[4] = {qraw.x, qraw.y, qraw.z, qraw.w}, kw[4] = {kraw.x, kraw.y, kraw.z, kraw.w};
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float2 f = bf16x2_to_float2(w[u]);
-          ss = fmaf(f.x, f.x, ss);
-          ss = fmaf(f.y, f.y, ss);
+      for (int u = 0; u < 4; ++u) {
+        const float2 a = bf16x2_to_float2(qw[u]), b = bf16x2_to_float2(kw[u]);
+        qk = fmaf(a.x, b.x, fmaf(a.y, b.y, qk));
+        if constexpr (kL2Norm) {
+          qq = fmaf(a.x, a.x, fmaf(a.y, a.y, qq));
+          kk = fmaf(b.x, b.x, fmaf(b.y, b.y, kk));
         }
       }
     }
-    rnorm[tid] = rsqrtf(ss + kL2NormEps);
+    row_stats[(0 * 2 + half) * kChunk + r] = qq;
+    row_stats[(1 * 2 + half) * kChunk + r] = kk;
+    row_stats[(2 * 2 + half) * kChunk + r] = qk;
+    named_barrier_sync(NamedBarrierId::kIntra, 128);
+    if (tid < kChunk) {
+      float rq = 1.f, rk = 1.f;
+      if constexpr (kL2Norm) {
+        rq = rsqrtf(row_stats[0 * kChunk + r] + row_stats[1 * kChunk + r] + kL2NormEps);
+        rk = rsqrtf(row_stats[2 * kChunk + r] + row_stats[3 * kChunk + r] + kL2NormEps);
+        rnorm[r] = rq;
+        rnorm[kChunk + r] = rk;
+      }
+      // A_qk[i, i] = q_i . k_i exactly (the decays cancel), in fp32 from the loaded rows; the state
+      // warpgroups apply it in fp32 (see state_math.cuh). From the rescaled bf16 operands it would
+      // carry their rounding, amplified by the cancellation in a dot product of two unit vectors,
+      // and stored as bf16 it would scale a whole output row by one rounding error: for a
+      // one-token sequence that term is the whole output.
+      st.aqk_diag[r] = r < rows ? (row_stats[4 * kChunk + r] + row_stats[5 * kChunk + r]) * rq * rk : 0.f;
+    }
     named_barrier_sync(NamedBarrierId::kIntra, 128);
   }
 
@@ -327,8 +363,9 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
   const int tid = threadIdx.x - 128;  // warpgroup 1
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
-  float* rnorm = reinterpret_cast<float*>(smem.m_prime + kRnormOffset);
-  float* ybuf = reinterpret_cast<float*>(smem.m_prime + kYbufOffset);
+  float* rnorm = reinterpret_cast<float*>(smem.m_bf16 + kRnormOffset);
+  float* ybuf = reinterpret_cast<float*>(smem.m_bf16 + kYbufOffset);
+  float* row_stats = reinterpret_cast<float*>(smem.m_bf16 + kRowStatsOffset);
   TileScheduler sched(p);
   PipelineState pipe;
   PhaseTimer timer;
@@ -350,7 +387,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
       timer.mark(0);
 
-      intra_prepare_operands<kGateInKernel, kL2Norm>(p, st, rnorm, rows, gate_scale, gate_bias, tid);
+      intra_prepare_operands<kGateInKernel, kL2Norm>(p, st, rnorm, row_stats, rows, gate_scale, gate_bias, tid);
       timer.mark(1);
 
       float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
@@ -369,8 +406,8 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
             const int i = kSubBlock * warp + g4 + 8 * h2;
             const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
             const float bi = h2 ? beta_hi : beta_lo;
-            const float q0 = (j <= i) ? aqk[bj][n8 * 4 + h2 * 2] : 0.f;
-            const float q1 = (j + 1 <= i) ? aqk[bj][n8 * 4 + h2 * 2 + 1] : 0.f;
+            const float q0 = (j < i) ? aqk[bj][n8 * 4 + h2 * 2] : 0.f;  // diagonal: st.aqk_diag
+            const float q1 = (j + 1 < i) ? aqk[bj][n8 * 4 + h2 * 2 + 1] : 0.f;
             *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) = float2_to_bf16x2(q0, q1);
             smem.akk[i * kAkkLd + j] = (j < i) ? akk[bj][n8 * 4 + h2 * 2] * bi : 0.f;
             smem.akk[i * kAkkLd + j + 1] = (j + 1 < i) ? akk[bj][n8 * 4 + h2 * 2 + 1] * bi : 0.f;
@@ -380,7 +417,10 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       // Every warp is done reading QE/KE (ldmatrix) before they are rescaled in place.
       named_barrier_sync(NamedBarrierId::kIntra, 128);
 
-      // Step 6: QG = QE * exp2(r_b), KG = KE * exp2(r_b); thread owns 2 features x 32 rows.
+      // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b) (v was scaled in step 1); thread
+      // owns 2 features x 32 rows. beta goes into the right-hand operands of W and U row by row (rounded
+      // per element) rather than into the columns of M (where one bf16 rounding of beta_j would
+      // scale everything row j contributes).
       {
         const int h = tid >> 6, cp = tid & 63;
         const PairColumn addr(cp);
@@ -397,9 +437,10 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           }
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) {
+            const float beta = st.beta[row0 + ii];
             const float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
             st_bf16x2(st.q, addr(row0 + ii), qv.x * s0, qv.y * s1);
-            st_bf16x2(st.k, addr(row0 + ii), kv.x * s0, kv.y * s1);
+            st_bf16x2(st.k, addr(row0 + ii), kv.x * (s0 * beta), kv.y * (s1 * beta));
           }
         }
       }
@@ -409,7 +450,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       intra_invert_unit_lower(smem.akk, ybuf, tid, warp, lane);
       timer.mark(4);
 
-      // Step 8a: M' = M diag(beta) as a bf16 K-major tile (overwrites rnorm / ybuf, both dead).
+      // Step 8a: M as a bf16 K-major tile (overwrites rnorm / ybuf, both dead).
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         const int q = tid + 128 * s;
@@ -418,16 +459,16 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         uint32_t packed[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u)
-          packed[u] = float2_to_bf16x2(row[2 * u] * st.beta[8 * x + 2 * u], row[2 * u + 1] * st.beta[8 * x + 2 * u + 1]);
-        *reinterpret_cast<uint4*>(smem.m_prime + sw128_chunk_offset(i, x)) =
+          packed[u] = float2_to_bf16x2(row[2 * u], row[2 * u + 1]);
+        *reinterpret_cast<uint4*>(smem.m_bf16 + sw128_chunk_offset(i, x)) =
             make_uint4(packed[0], packed[1], packed[2], packed[3]);
       }
       fence_smem_to_async_proxy();
       named_barrier_sync(NamedBarrierId::kIntra, 128);
 
       timer.mark(5);
-      // Step 8b: W = M' KG -> k slot, U = M' v -> v slot.
-      const uint32_t mp_base = smem_u32(smem.m_prime);
+      // Step 8b: W = M KG -> k slot, U = M (beta v) -> v slot.
+      const uint32_t m_base = smem_u32(smem.m_bf16);
 #pragma unroll 1
       for (int which = 0; which < 2; ++which) {
         uint8_t* slot = which == 0 ? st.k : st.v;
@@ -439,7 +480,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kChunk / 16; ++ks) {
-          wgmma_ss<128, Major::K, Major::MN>(desc_k_major(mp_base + ks * 32),
+          wgmma_ss<128, Major::K, Major::MN>(desc_k_major(m_base + ks * 32),
                                              desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
         }
         wgmma_commit();

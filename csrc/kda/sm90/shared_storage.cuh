@@ -6,9 +6,9 @@
 //
 //   slot   loaded by TMA      after the intra-chunk pass            read by
 //   q      q (bf16)           QE = q*e      -> QG = q*exp2(G)        A_qk (intra) -> q~·S (state)
-//   k      k (bf16)           KE = k*e      -> KG -> W = M'·KG       A_kk (intra) -> w·S (state)
+//   k      k (bf16)           KE = k*e      -> KG -> W = M·KG        A_kk (intra) -> w·S (state)
 //   g      g (bf16)           KT = k*f                               A_qk/A_kk (intra), S update (state)
-//   v      v (bf16)           v             -> U = M'·v              u (intra) -> v_new (state)
+//   v      v (bf16)           beta*v        -> U = M·(beta*v)        u (intra) -> v_new (state)
 //   aqk    -                  A_qk (bf16, masked)                    o (state)
 //   R      -                  r_b = G at the end of each 16-row block (fp32 [4][128])
 //   beta   beta (fp32, 0 past the sequence end), written by the producer warp
@@ -38,13 +38,14 @@ struct alignas(1024) StageStorage {
   alignas(1024) uint8_t aqk[kChunk * kChunk * 2];  // 64x64 bf16, one box
   float r_block[kNumSubBlocks][kHeadDim];          // log2 cumulative decay at each block end
   float beta[kChunk];
+  float aqk_diag[kChunk];  // A_qk[i, i] = q_i . k_i in fp32 (0 past the end); applied by the state WGs
 };
 
 struct alignas(1024) SharedStorage {
   StageStorage stage[kStages];
 
   // Intra-chunk scratch (single-buffered: only the intra warpgroup touches it).
-  alignas(1024) uint8_t m_prime[kChunk * kChunk * 2];  // M' = (I + A_kk)^-1 diag(beta), bf16, K-major
+  alignas(1024) uint8_t m_bf16[kChunk * kChunk * 2];  // M = (I + A_kk)^-1, bf16, K-major
   float akk[kChunk * kAkkLd];                          // A_kk, then M in place (fp32)
 
   // State warpgroups: one half of the value dimension each.
@@ -56,11 +57,13 @@ struct alignas(1024) SharedStorage {
   uint64_t empty_bar[kStages];  // state -> producer
 };
 
-// The l2-norm reciprocals and the Y buffer of the blocked inverse live inside m_prime, which is
-// written only after both are dead.
+// The l2-norm reciprocals, the row statistics and the Y buffer of the blocked inverse live inside
+// m_bf16, which is written only after all of them are dead.
 constexpr int kRnormOffset = 0;                 // float[128]: q rows 0..63, k rows 64..127
 constexpr int kYbufOffset = 1024;               // float[16][48]
-static_assert(kYbufOffset + 16 * 48 * 4 <= kChunk * kChunk * 2, "Y buffer must fit in m_prime");
+constexpr int kRowStatsOffset = 4096;           // float[3][2][64]: q.q, k.k, q.k per row and half
+static_assert(kYbufOffset + 16 * 48 * 4 <= kRowStatsOffset && kRowStatsOffset + 6 * 64 * 4 <= kChunk * kChunk * 2,
+              "intra scratch must fit in m_bf16");
 
 constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // + alignment slack
 static_assert(kSharedBytes <= 232448, "shared memory plan exceeds the 227 KB of an SM90 CTA");

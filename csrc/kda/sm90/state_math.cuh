@@ -5,7 +5,8 @@
 //   (a) S -> bf16 shared tile (the B operand of the two products below)
 //   (b) P = W S                                    (WGMMA, K = 128)
 //   (c) v_new = U - P  -> bf16 shared tile          (rows past the sequence end are zero already)
-//   (d) O = QG S + A_qk v_new                       (WGMMA, K = 128 + 64; overlaps (e))
+//   (d) O = QG S + A_qk v_new                       (WGMMA, K = 128 + 64; overlaps (e)); the
+//       diagonal of A_qk is added in fp32 after (e) (d')
 //   (e) S <- diag(exp2(G_last)) S + (k exp2(G_last - G))^T v_new, block by block in Horner form:
 //         S *= exp2(r_0);  for b: S += KT_b^T v_new_b;  S *= exp2(r_{b+1} - r_b)
 //       (KT_b = k exp2(r_b - G) for the rows of block b, so every factor is <= 1)
@@ -169,6 +170,20 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       fence_accumulators(S.acc[0]);
       fence_accumulators(S.acc[1]);
       fence_accumulators(O);
+
+      // (d') O += diag(A_qk) v_new, the diagonal in fp32 (the bf16 A_qk tile has zeros there).
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = kSubBlock * warp + g4 + 8 * h2;
+        const float d = st.aqk_diag[i];
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) {
+          const float2 vn =
+              bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_tile + sw128_fragment_offset(i, n8, g4, t4)));
+          O[n8 * 4 + h2 * 2] = fmaf(d, vn.x, O[n8 * 4 + h2 * 2]);
+          O[n8 * 4 + h2 * 2 + 1] = fmaf(d, vn.y, O[n8 * 4 + h2 * 2 + 1]);
+        }
+      }
 
       timer.mark(4);
       // (f) o -> global (the S tile is free again and serves as staging).
