@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 1);
+      cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 32);  // the producer warp's lanes
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
       cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], 256);
     }

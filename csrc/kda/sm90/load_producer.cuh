@@ -6,7 +6,7 @@
 // also reads the next sequence's first rows: harmless, because the intra-chunk pass masks every
 // row at or past `chunk_rows` out of every product, state and output. beta is strided by HV in
 // memory (no 16-byte box), so the warp's lanes load it with plain loads, zero past the sequence
-// end, before lane 0 arrives on the barrier.
+// end, and each lane arrives on the barrier after its stores.
 #pragma once
 
 #include <cuda.h>
@@ -61,14 +61,17 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
         }
         st.beta[r] = b;
       }
-      __syncwarp();
+      // Every lane arrives on `full` after its own beta stores (release), so the consumers'
+      // wait orders each store directly; lane 0 also sets the TMA byte count and issues the loads.
+      uint64_t* bar = &smem.full_bar[pipe.stage];
       if (lane == 0) {
-        uint64_t* bar = &smem.full_bar[pipe.stage];
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageTxBytes);
         tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
         tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
         tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
         tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
+      } else {
+        cutlass::arch::ClusterBarrier::arrive(bar);
       }
       __syncwarp();
     }
