@@ -174,19 +174,7 @@ def main():
             q, k, v, g, beta, A_log, dt_bias, _ = make_inputs(B, T, H, HV, True, True, False, False, B, True)
             fn = lambda: run_kernel(lib, q, k, v, g, beta, A_log, dt_bias, None, None, 128 ** -0.5, -5.0,  # noqa
                                     GATE_IN_KERNEL | QK_L2NORM, True)
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(10):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                torch.cuda.synchronize()
-                ts.append(a.elapsed_time(b))
-            ts.sort()
-            print(f"bench B={B} T={T} H={H} HV={HV}: {ts[len(ts) // 2]:.3f} ms", flush=True)
+            print(f"bench B={B} T={T} H={H} HV={HV}: {median_ms(fn):.3f} ms", flush=True)
     sys.exit(0 if all(results) else 1)
 
 
