@@ -12,13 +12,12 @@
 //      rescaled per feature by exp2(r_w - r_bj) <= 1 for the warp's row block w > bj, B = KT.
 //      The factors of exp2(G_i - G_j) never exceed the span of one 16-row block (<= 2^116 with
 //      safe gates), so nothing overflows.
-//   5. masks (A_qk: j <= i, its diagonal from step 1; A_kk: j < i, times beta_i); A_qk -> stage
-//      (bf16), A_kk -> scratch
-//   6. QG = QE exp2(r_b) = q exp2(G), KG = beta KE exp2(r_b) = beta k exp2(G)
-//                                                                        (in place)
-//   7. M = (I + A_kk)^-1 in fp32: 16x16 diagonal blocks by forward substitution (one warp each),
-//      then row blocks bi = 1..3: M[bi,<bi] = -M[bi,bi] (A[bi,<bi] M[<bi,<bi])
-//   8. M (bf16);  W = M KG -> k slot,  U = M (beta v) -> v slot  (WGMMA)
+//   5. masks (A_qk: j < i, its diagonal from step 1; A_kk: j < i, times beta_i); A_qk -> stage
+//      (bf16); A_kk stays in registers (its diagonal blocks also go to the scratch)
+//   6. QG = QE exp2(r_b) = q exp2(G), KG = beta KE exp2(r_b) = beta k exp2(G)   (in place)
+//   7. M = (I + A_kk)^-1: 16x16 diagonal blocks by forward substitution, the rest as three rounds
+//      of tf32 WGMMA products (unit_lower_inverse.cuh); M ends up in accumulator registers
+//   8. W = M KG -> k slot,  U = M (beta v) -> v slot  (WGMMA, M from registers)
 //   9. arrive on the stage's `ready` barrier.
 #pragma once
 
@@ -26,6 +25,7 @@
 #include "shared_storage.cuh"
 #include "sm90_primitives.cuh"
 #include "tile_scheduler.cuh"
+#include "unit_lower_inverse.cuh"
 
 namespace cula::kda::sm90 {
 
@@ -265,81 +265,6 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
   }
 }
 
-// Step 7: M = (I + A)^-1 in place in `a` (fp32, row stride kAkkLd), A strictly lower triangular.
-__device__ __forceinline__ void intra_invert_unit_lower(float* a, float* ybuf, int tid, int warp, int lane) {
-  // Diagonal 16x16 blocks: warp w inverts block w; lane c < 16 owns column c.
-  float m[kSubBlock];
-  const int base = kSubBlock * warp;
-#pragma unroll
-  for (int i = 0; i < kSubBlock; ++i) {
-    float acc = (i == lane) ? 1.f : 0.f;
-#pragma unroll
-    for (int j = 0; j < i; ++j) acc = fmaf(-a[(base + i) * kAkkLd + base + j], m[j], acc);
-    m[i] = acc;
-  }
-  __syncwarp();
-  if (lane < kSubBlock) {
-#pragma unroll
-    for (int i = 0; i < kSubBlock; ++i) a[(base + i) * kAkkLd + base + lane] = m[i];
-  }
-  named_barrier_sync(NamedBarrierId::kIntra, 128);
-
-  // Row blocks below the diagonal, one after another. Thread (r = tid / 8, p = tid % 8) computes
-  // row r, columns 2p and 2p+1 of every 16x16 block of the row block; the k loops have
-  // compile-time bounds so the loads pipeline.
-  const int r = tid >> 3, c2 = 2 * (tid & 7);
-#pragma unroll
-  for (int bi = 1; bi < kNumSubBlocks; ++bi) {
-    const int row0 = kSubBlock * bi;
-    const float* arow = a + (row0 + r) * kAkkLd;
-    // Y[:, block bj] = sum_{kb = bj}^{bi-1} A[bi, kb] M[kb, bj]
-    float y[kNumSubBlocks - 1][2];
-#pragma unroll
-    for (int bj = 0; bj < bi; ++bj) {
-      float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-      for (int k4 = kSubBlock * bj; k4 < row0; k4 += 4) {
-        const float4 av = *reinterpret_cast<const float4*>(arow + k4);
-        const float av_[4] = {av.x, av.y, av.z, av.w};
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float2 mv = *reinterpret_cast<const float2*>(a + (k4 + u) * kAkkLd + kSubBlock * bj + c2);
-          acc0 = fmaf(av_[u], mv.x, acc0);
-          acc1 = fmaf(av_[u], mv.y, acc1);
-        }
-      }
-      y[bj][0] = acc0;
-      y[bj][1] = acc1;
-    }
-#pragma unroll
-    for (int bj = 0; bj < bi; ++bj)
-      *reinterpret_cast<float2*>(ybuf + r * 48 + kSubBlock * bj + c2) = make_float2(y[bj][0], y[bj][1]);
-    named_barrier_sync(NamedBarrierId::kIntra, 128);
-    // M[bi, bj] = -M[bi, bi] Y[:, bj]  (M[bi, bi] lower triangular)
-    float mrow[kSubBlock];
-#pragma unroll
-    for (int q4 = 0; q4 < kSubBlock; q4 += 4) {
-      const float4 mv = *reinterpret_cast<const float4*>(arow + row0 + q4);
-      mrow[q4] = mv.x;
-      mrow[q4 + 1] = mv.y;
-      mrow[q4 + 2] = mv.z;
-      mrow[q4 + 3] = mv.w;
-    }
-#pragma unroll
-    for (int bj = 0; bj < bi; ++bj) {
-      float acc0 = 0.f, acc1 = 0.f;
-#pragma unroll
-      for (int q = 0; q < kSubBlock; ++q) {
-        const float2 yv = *reinterpret_cast<const float2*>(ybuf + q * 48 + kSubBlock * bj + c2);
-        acc0 = fmaf(mrow[q], yv.x, acc0);
-        acc1 = fmaf(mrow[q], yv.y, acc1);
-      }
-      *reinterpret_cast<float2*>(a + (row0 + r) * kAkkLd + kSubBlock * bj + c2) = make_float2(-acc0, -acc1);
-    }
-    named_barrier_sync(NamedBarrierId::kIntra, 128);
-  }
-}
-
 // Writes a 64 x N fp32 accumulator (m64nN fragment) as bf16 into a SW128 tile.
 template <int N>
 __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const float (&acc)[N / 2], int warp, int lane,
@@ -363,9 +288,9 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
   const int tid = threadIdx.x - 128;  // warpgroup 1
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
-  float* rnorm = reinterpret_cast<float*>(smem.m_bf16 + kRnormOffset);
-  float* ybuf = reinterpret_cast<float*>(smem.m_bf16 + kYbufOffset);
-  float* row_stats = reinterpret_cast<float*>(smem.m_bf16 + kRowStatsOffset);
+  float* rnorm = reinterpret_cast<float*>(smem.intra_scratch + kRnormOffset);
+  float* row_stats = reinterpret_cast<float*>(smem.intra_scratch + kRowStatsOffset);
+  float* diag = reinterpret_cast<float*>(smem.intra_scratch + kDiagOffset);
   TileScheduler sched(p);
   PipelineState pipe;
   PhaseTimer timer;
@@ -394,9 +319,12 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       intra_attention_matrices(st, warp, lane, aqk, akk);
       timer.mark(2);
 
-      // Step 5: masks, beta; A_qk -> stage (bf16), A_kk -> scratch (fp32).
+      // Step 5: masks and beta. A_qk -> stage (bf16, strictly lower: its diagonal is st.aqk_diag);
+      // A = beta_i A_kk: its blocks below the diagonal stay in registers (a_off, m64n64
+      // accumulator layout) and its diagonal blocks go to the scratch for the forward substitution.
       const float beta_lo = st.beta[kSubBlock * warp + g4];
       const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
+      float a_off[8 * (kNumSubBlocks - 1)];
 #pragma unroll
       for (int bj = 0; bj < kNumSubBlocks; ++bj) {
 #pragma unroll
@@ -405,18 +333,28 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           for (int h2 = 0; h2 < 2; ++h2) {
             const int i = kSubBlock * warp + g4 + 8 * h2;
             const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
+            const int r = n8 * 4 + h2 * 2;
             const float bi = h2 ? beta_hi : beta_lo;
-            const float q0 = (j < i) ? aqk[bj][n8 * 4 + h2 * 2] : 0.f;  // diagonal: st.aqk_diag
-            const float q1 = (j + 1 < i) ? aqk[bj][n8 * 4 + h2 * 2 + 1] : 0.f;
+            const float q0 = (j < i) ? aqk[bj][r] : 0.f;
+            const float q1 = (j + 1 < i) ? aqk[bj][r + 1] : 0.f;
             *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) = float2_to_bf16x2(q0, q1);
-            smem.akk[i * kAkkLd + j] = (j < i) ? akk[bj][n8 * 4 + h2 * 2] * bi : 0.f;
-            smem.akk[i * kAkkLd + j + 1] = (j + 1 < i) ? akk[bj][n8 * 4 + h2 * 2 + 1] * bi : 0.f;
+            const float a0 = (j < i) ? akk[bj][r] * bi : 0.f;
+            const float a1 = (j + 1 < i) ? akk[bj][r + 1] * bi : 0.f;
+            if (bj == warp) {  // transposed: row j of the scratch block is column j of A_d
+              float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
+              dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
+              dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
+            }
+            if (bj < kNumSubBlocks - 1) {
+              a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
+              a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
+            }
           }
         }
       }
-      // Every warp is done reading QE/KE (ldmatrix) before they are rescaled in place.
-      named_barrier_sync(NamedBarrierId::kIntra, 128);
+      timer.mark(3);
 
+      named_barrier_sync(NamedBarrierId::kIntra, 128);  // every warp done reading QE/KE (step 4)
       // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b) (v was scaled in step 1); thread
       // owns 2 features x 32 rows. beta goes into the right-hand operands of W and U row by row (rounded
       // per element) rather than into the columns of M (where one bf16 rounding of beta_j would
@@ -444,31 +382,21 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           }
         }
       }
-
-      timer.mark(3);
-      // Step 7: M = (I + A_kk)^-1.
-      intra_invert_unit_lower(smem.akk, ybuf, tid, warp, lane);
       timer.mark(4);
-
-      // Step 8a: M as a bf16 K-major tile (overwrites rnorm / ybuf, both dead).
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const int q = tid + 128 * s;
-        const int i = q >> 3, x = q & 7;
-        const float* row = smem.akk + i * kAkkLd + 8 * x;
-        uint32_t packed[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          packed[u] = float2_to_bf16x2(row[2 * u], row[2 * u + 1]);
-        *reinterpret_cast<uint4*>(smem.m_bf16 + sw128_chunk_offset(i, x)) =
-            make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      }
-      fence_smem_to_async_proxy();
-      named_barrier_sync(NamedBarrierId::kIntra, 128);
-
+      // Step 7: M = (I + A)^-1 (unit_lower_inverse.cuh), all products on the tensor cores. Its first
+      // proxy fence and barrier also publish QG/KG to the W/U products below.
+      float m[32];
+      invert_unit_lower(a_off, diag, smem.inverse_operand, tid, m, timer);
       timer.mark(5);
-      // Step 8b: W = M KG -> k slot, U = M (beta v) -> v slot.
-      const uint32_t m_base = smem_u32(smem.m_bf16);
+
+      // Step 8: W = M KG -> k slot, U = M (beta v) -> v slot; M is the A operand straight from the
+      // inverse's accumulator (the bf16 m64k16 fragment of k-step ks is accumulator columns
+      // 16 ks .. 16 ks + 15 of the thread's two rows).
+      uint32_t m_frag[kChunk / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) m_frag[ks][r] = float2_to_bf16x2(m[8 * ks + 2 * r], m[8 * ks + 2 * r + 1]);
 #pragma unroll 1
       for (int which = 0; which < 2; ++which) {
         uint8_t* slot = which == 0 ? st.k : st.v;
@@ -479,10 +407,8 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         fence_accumulators(acc);
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < kChunk / 16; ++ks) {
-          wgmma_ss<128, Major::K, Major::MN>(desc_k_major(m_base + ks * 32),
-                                             desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
-        }
+        for (int ks = 0; ks < kChunk / 16; ++ks)
+          wgmma_rs<128, Major::MN>(m_frag[ks], desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
         wgmma_commit();
         wgmma_wait<0>();
         fence_accumulators(acc);
@@ -496,7 +422,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
       timer.mark(6);
     }
   }
-  timer.report("intra: wait prep attn mask+qg inv mprime wu", tid);
+  timer.report("intra: wait prep attn mask qg+kg inv:M wu inv:D inv:N inv:N2,Y", tid);
 }
 
 }  // namespace cula::kda::sm90

@@ -28,7 +28,6 @@ constexpr int kStages = 2;
 
 constexpr int kTileBytes = kChunk * kHeadDim * 2;  // one 64x128 bf16 tile = 16 KB (two 64x64 boxes)
 constexpr int kBoxBytes = kChunk * 64 * 2;         // 8 KB
-constexpr int kAkkLd = 68;                         // fp32 row stride of the A_kk / M scratch
 
 struct alignas(1024) StageStorage {
   alignas(1024) uint8_t q[kTileBytes];
@@ -45,8 +44,8 @@ struct alignas(1024) SharedStorage {
   StageStorage stage[kStages];
 
   // Intra-chunk scratch (single-buffered: only the intra warpgroup touches it).
-  alignas(1024) uint8_t m_bf16[kChunk * kChunk * 2];  // M = (I + A_kk)^-1, bf16, K-major
-  float akk[kChunk * kAkkLd];                          // A_kk, then M in place (fp32)
+  alignas(1024) uint8_t inverse_operand[kTileBytes];  // B operands of the inverse's products (tf32)
+  alignas(1024) uint8_t intra_scratch[8192];           // see the offsets below
 
   // State warpgroups: one half of the value dimension each.
   alignas(1024) uint8_t state_bf16[2][kHeadDim * 64 * 2];  // S (bf16) as WGMMA B operand; o staging
@@ -57,13 +56,13 @@ struct alignas(1024) SharedStorage {
   uint64_t empty_bar[kStages];  // state -> producer
 };
 
-// The l2-norm reciprocals, the row statistics and the Y buffer of the blocked inverse live inside
-// m_bf16, which is written only after all of them are dead.
+// Intra scratch: the l2-norm reciprocals and the row statistics (steps 1-3), then the fp32
+// diagonal blocks of A_kk / of the inverse (steps 5-7) over them, both dead by then.
 constexpr int kRnormOffset = 0;                 // float[128]: q rows 0..63, k rows 64..127
-constexpr int kYbufOffset = 1024;               // float[16][48]
 constexpr int kRowStatsOffset = 4096;           // float[3][2][64]: q.q, k.k, q.k per row and half
-static_assert(kYbufOffset + 16 * 48 * 4 <= kRowStatsOffset && kRowStatsOffset + 6 * 64 * 4 <= kChunk * kChunk * 2,
-              "intra scratch must fit in m_bf16");
+constexpr int kDiagOffset = 0;                  // float[4][16][20]
+static_assert(kRowStatsOffset >= 128 * 4 && kRowStatsOffset + 6 * 64 * 4 <= 8192 && 4 * 16 * 20 * 4 <= 8192,
+              "intra scratch must fit");
 
 constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // + alignment slack
 static_assert(kSharedBytes <= 232448, "shared memory plan exceeds the 227 KB of an SM90 CTA");

@@ -114,11 +114,25 @@ __device__ __forceinline__ void wgmma_ss(uint64_t desc_a, uint64_t desc_b, float
                         std::make_index_sequence<N / 2>{});
 }
 
-// D[64 x 16] (+)= A[64 x 16] (registers, K-major fragment) * B[16 x 16] (shared memory, K-major).
-__device__ __forceinline__ void wgmma_rs_n16(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[8], bool accumulate) {
+// D[64 x N] (+)= A[64 x 16] (registers, bf16 K-major fragment) * B[16 x N] (shared memory).
+template <int N, Major MajorB>
+__device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N / 2], bool accumulate) {
   using namespace cute::SM90::GMMA;
-  detail::gmma_rs<MMA_64x16x16_F32BF16BF16_RS<Major::K, Major::K>>(
-      a, desc_b, d, accumulate ? ScaleOut::One : ScaleOut::Zero, std::make_index_sequence<8>{});
+  using Atom = std::conditional_t<N == 16, MMA_64x16x16_F32BF16BF16_RS<Major::K, MajorB>,
+                                  MMA_64x128x16_F32BF16BF16_RS<Major::K, MajorB>>;
+  static_assert(N == 16 || N == 128, "unsupported WGMMA N");
+  detail::gmma_rs<Atom>(a, desc_b, d, accumulate ? ScaleOut::One : ScaleOut::Zero, std::make_index_sequence<N / 2>{});
+}
+__device__ __forceinline__ void wgmma_rs_n16(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[8], bool accumulate) {
+  wgmma_rs<16, Major::K>(a, desc_b, d, accumulate);
+}
+
+// D[64 x 64] += (+/-) A[64 x 8] (registers, tf32 fragment) * B[8 x 64] (shared memory, K-major tf32).
+using cute::SM90::GMMA::ScaleIn;
+template <ScaleIn kScaleA>
+__device__ __forceinline__ void wgmma_rs_tf32_n64(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[32]) {
+  detail::gmma_rs<cute::SM90::GMMA::MMA_64x64x8_F32TF32TF32_RS_TN<kScaleA, ScaleIn::One>>(
+      a, desc_b, d, ScaleOut::One, std::make_index_sequence<32>{});
 }
 
 __device__ __forceinline__ void wgmma_fence() { cute::warpgroup_arrive(); }
@@ -159,6 +173,13 @@ __device__ __forceinline__ float ld_bf16(const uint8_t* smem_base, uint32_t off)
 }
 __device__ __forceinline__ void st_bf16(uint8_t* smem_base, uint32_t off, float x) {
   *reinterpret_cast<__nv_bfloat16*>(smem_base + off) = __float2bfloat16_rn(x);
+}
+
+// fp32 -> tf32 (round to nearest, ties away), as the 32-bit pattern a tf32 WGMMA operand takes.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t y;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
