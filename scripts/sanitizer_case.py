@@ -8,7 +8,8 @@ H=2 q/k heads, HV=4 value heads, cu_seqlens [0, 0, 1, 65, 130, 200] (an empty se
 length-1 one, 64 and 65 tokens across chunk edges, a 70-token tail), once per kernel
 instantiation (gate in kernel / given x l2norm on / off), with both state layouts, both beta
 dtypes, int32 and int64 cu_seqlens, with and without an initial state, and once without the
-final state. Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the
+final state; then with 70 sequences (lengths 0..130), whose 280 (sequence, head) tiles exceed one
+wave, under both tile schedules (index order, and longest first on persistent CTAs). Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the
 GPU work that the sanitizer instruments is the copies and the kernel itself.
 
 Exit status: 0 when every call ran on backend "sm90" and matched the fp32 reference (relative L2
@@ -32,6 +33,9 @@ from cula.kda import kda_prefill, last_backend
 from cula.kda.reference import kda_recurrent_reference
 
 CU = [0, 0, 1, 65, 130, 200]
+_MANY = [(7 * i) % 23 for i in range(70)]
+_MANY[5], _MANY[33] = 130, 1
+CU_MANY = [sum(_MANY[:i]) for i in range(len(_MANY) + 1)]  # 70 sequences, one empty (i = 0)
 H, HV, D = 2, 4, 128
 RTOL = 5e-3
 
@@ -51,8 +55,8 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_one(gate_in: bool, l2: bool, layout: str, beta_bf16: bool, cu64: bool, with_h0: bool,
-            want_state: bool) -> bool:
-    T, N = CU[-1], len(CU) - 1
+            want_state: bool, cu: list[int] = CU) -> bool:
+    T, N = cu[-1], len(cu) - 1
     bf16 = torch.bfloat16
     q = torch.randn(1, T, H, D)
     k = torch.randn(1, T, H, D)
@@ -65,7 +69,7 @@ def run_one(gate_in: bool, l2: bool, layout: str, beta_bf16: bool, cu64: bool, w
         q=q.to(bf16), k=k.to(bf16), v=v.to(bf16), g=g.to(bf16),
         beta=beta.to(bf16) if beta_bf16 else beta,
         initial_state=0.1 * torch.randn(N, HV, D, D) if with_h0 else None,
-        cu_seqlens=torch.tensor(CU, dtype=torch.int64 if cu64 else torch.int32),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int64 if cu64 else torch.int32),
         A_log=0.1 * torch.randn(HV) if gate_in else None,
         dt_bias=0.1 * torch.randn(HV * D) if gate_in else None,
         use_gate_in_kernel=gate_in, use_qk_l2norm_in_kernel=l2,
@@ -85,13 +89,13 @@ def run_one(gate_in: bool, l2: bool, layout: str, beta_bf16: bool, cu64: bool, w
     empty_ok = True
     if fs is not None:
         for n in range(N):
-            if CU[n + 1] == CU[n]:
+            if cu[n + 1] == cu[n]:
                 want = cpu["initial_state"][n] if with_h0 else torch.zeros_like(fs[n])
                 empty_ok &= bool(torch.equal(fs[n], want))
     ok = finite and eo <= RTOL and es <= RTOL and empty_ok and (fs is None) == (not want_state)
     print(f"{'ok  ' if ok else 'FAIL'} gate={'kernel' if gate_in else 'given':6s} l2norm={int(l2)} "
           f"layout={layout} beta={'bf16' if beta_bf16 else 'fp32'} cu={'int64' if cu64 else 'int32'} "
-          f"h0={int(with_h0)} final_state={int(want_state)}: err o {eo:.2e}, state {es:.2e}, "
+          f"h0={int(with_h0)} final_state={int(want_state)} sequences={N}: err o {eo:.2e}, state {es:.2e}, "
           f"finite={finite}, empty-sequence state={'ok' if empty_ok else 'WRONG'}", flush=True)
     return ok
 
@@ -109,6 +113,11 @@ def main() -> int:
     print(f"sanitizer_case: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"H={H} HV={HV} cu_seqlens={CU}", flush=True)
     results = [run_one(*cfg) for cfg in CONFIGS]
+    for schedule in ("index", "longest_first"):
+        os.environ["CULA_KDA_SCHEDULE"] = schedule
+        print(f"sanitizer_case: CULA_KDA_SCHEDULE={schedule}", flush=True)
+        results.append(run_one(True, True, "kv", False, False, True, True, cu=CU_MANY))
+    del os.environ["CULA_KDA_SCHEDULE"]
     print(f"sanitizer_case: {sum(results)}/{len(results)} calls matched the reference", flush=True)
     return 0 if all(results) else 1
 

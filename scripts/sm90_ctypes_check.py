@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import math
 import os
 import sys
@@ -137,6 +138,8 @@ def main():
     ap.add_argument("lib")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--bench-varlen", action="store_true",
+                    help="time the benchmark's varlen suite (H=HV=64) under the schedule CULA_KDA_SCHEDULE selects")
     ap.add_argument("--t1-draws", type=int, default=0,
                     help="also run this many fresh draws of the one-token case B=T=H=HV=1 and report the worst error")
     ap.add_argument("--sanitizer-case", action="store_true",
@@ -147,6 +150,10 @@ def main():
     results = []
     if args.sanitizer_case:
         ok = check(lib, 1, 200, 2, 4, cu_list=[0, 0, 1, 65, 130, 200])
+        # 70 sequences x 2 value heads > 132 SMs (with CULA_KDA_SCHEDULE=longest_first: persistent CTAs)
+        lens = [int(x) for x in torch.randint(0, 20, (70,))]
+        lens[3], lens[40] = 130, 0
+        ok &= check(lib, 1, sum(lens), 1, 2, cu_list=[0] + list(itertools.accumulate(lens)))
         sys.exit(0 if ok else 1)
     results.append(check(lib, 1, 64, 1, 1))
     results.append(check(lib, 1, 15, 1, 1, with_h0=False))
@@ -161,6 +168,11 @@ def main():
         results.append(check(lib, 3, 1000, 4, 4, vk=True))
         results.append(check(lib, 2, 4096, 16, 64))
         results.append(check(lib, 1, 4096, 8, 64, cu_list=[0, 63, 127, 192, 1000, 1001, 4096]))
+        # 300 sequences x 8 heads (> one wave: with CULA_KDA_SCHEDULE=longest_first the persistent
+        # longest-first schedule), lengths 0..40 and a few long
+        lens = [int(x) for x in torch.randint(0, 41, (300,))]
+        lens[7], lens[150], lens[299] = 700, 1, 0
+        results.append(check(lib, 1, sum(lens), 2, 8, cu_list=[0] + list(itertools.accumulate(lens))))
     if args.t1_draws:
         worst, fails = 0.0, 0
         for i in range(args.t1_draws):
@@ -183,6 +195,19 @@ def main():
             fn = lambda: run_kernel(lib, q, k, v, g, beta, A_log, dt_bias, None, None, 128 ** -0.5, -5.0,  # noqa
                                     GATE_IN_KERNEL | QK_L2NORM, True)
             print(f"bench B={B} T={T} H={H} HV={HV}: {median_ms(fn):.3f} ms", flush=True)
+    if args.bench_varlen:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+        from bench_kda_prefill import varlen_lengths
+        for total in (4096, 8192, 16384):
+            for n in (10, 20, 100):
+                for dist in ("uniform", "random", "skewed"):
+                    lens = varlen_lengths(dist, n, total, 0)
+                    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
+                    q, k, v, g, beta, A_log, dt_bias, _ = make_inputs(1, total, 64, 64, True, True, False, False, n,
+                                                                       True)
+                    fn = lambda: run_kernel(lib, q, k, v, g, beta, A_log, dt_bias, None, cu, 128 ** -0.5,  # noqa
+                                            -5.0, GATE_IN_KERNEL | QK_L2NORM, True)
+                    print(f"bench varlen {dist} N{n} T{total} H64: {median_ms(fn):.3f} ms", flush=True)
     sys.exit(0 if all(results) else 1)
 
 

@@ -505,8 +505,12 @@ def test_varlen_matches_reference(spec: Spec, seed: int):
         pytest.param(1000, 2, 4, True, False, "vk", "given", False, "bf16", id="N1000-H2xHV4-i64"),
     ],
 )
-def test_varlen_many_sequences(n_seq, H, HV, cu64, h0, layout, gate, l2norm, beta, seed: int):
-    """Hundreds of short sequences (random lengths 0..40, drawn from the test's seed)."""
+@pytest.mark.parametrize("schedule", ["index", "longest_first"])
+def test_varlen_many_sequences(n_seq, H, HV, cu64, h0, layout, gate, l2norm, beta, schedule: str, seed: int,
+                               monkeypatch):
+    """Hundreds of short sequences (random lengths 0..40, drawn from the test's seed), more tiles
+    than SMs, under both tile schedules (CULA_KDA_SCHEDULE, read by the launcher at each call)."""
+    monkeypatch.setenv("CULA_KDA_SCHEDULE", schedule)
     lens = torch.randint(0, 41, (n_seq,)).tolist()
     lens[:3] = [0, 1, 40]  # an empty, a length-1 and a longest sequence always present
     spec = varlen("many", lens, H=H, HV=HV, cu64=cu64, h0=h0, layout=layout, gate=gate,

@@ -282,7 +282,7 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
   }
 }
 
-template <bool kGateInKernel, bool kL2Norm>
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst>
 __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - 128;  // warpgroup 1
@@ -291,13 +291,12 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
   float* rnorm = reinterpret_cast<float*>(smem.intra_scratch + kRnormOffset);
   float* row_stats = reinterpret_cast<float*>(smem.intra_scratch + kRowStatsOffset);
   float* diag = reinterpret_cast<float*>(smem.intra_scratch + kDiagOffset);
-  TileScheduler sched(p);
   PipelineState pipe;
   PhaseTimer timer;
   timer.start();
 
-  for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
-    const WorkTile tile = sched.decode(t);
+  for (int t = 0; tile_valid<kLongestFirst>(kp, t); ++t) {
+    const WorkTile tile = decode_tile<kLongestFirst>(kp, smem, t);
     float gate_scale = 1.f;
     float2 gate_bias = make_float2(0.f, 0.f);
     if constexpr (kGateInKernel) {

@@ -23,7 +23,7 @@ constexpr uint32_t kIntraRegs = 168;
 constexpr uint32_t kStateRegs = 160;
 static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "register budget of one SM");
 
-template <bool kGateInKernel, bool kL2Norm>
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_raw[];
@@ -41,16 +41,18 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  if constexpr (kLongestFirst)  // all 512 threads, before the roles split (see tile_scheduler.cuh)
+    build_longest_first_list(kp.problem, reinterpret_cast<uint64_t*>(smem.stage[0].q), smem.tile_seq);
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (threadIdx.x < 32) run_load_producer(kp, smem);
+    if (threadIdx.x < 32) run_load_producer<kLongestFirst>(kp, smem);
   } else if (warpgroup == 1) {
     cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-    run_intra_chunk<kGateInKernel, kL2Norm>(kp, smem);
+    run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst>(kp, smem);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-    run_state_warpgroup(kp, smem, warpgroup - 2);
+    run_state_warpgroup<kLongestFirst>(kp, smem, warpgroup - 2);
   }
 #endif
 }

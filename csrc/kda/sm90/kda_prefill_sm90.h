@@ -16,8 +16,10 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream
 const char* kda_prefill_sm90_last_error();
 
 namespace sm90 {
-template <bool kGateInKernel, bool kL2Norm>
-cudaError_t launch_kda_prefill(const KdaPrefillParams& params, cudaStream_t stream);
+struct KdaKernelParams;
+// One per file under instantiations/ (kda_prefill_launch.cuh).
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst>
+cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream);
 }  // namespace sm90
 
 }  // namespace cula::kda

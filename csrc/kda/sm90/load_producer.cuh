@@ -29,10 +29,10 @@ __device__ __forceinline__ void tma_load_tile(const CUtensorMap* map, uint64_t* 
   }
 }
 
+template <bool kLongestFirst>
 __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
-  TileScheduler sched(p);
   PipelineState pipe;
 
   if (lane == 0) {
@@ -42,8 +42,8 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
     cute::prefetch_tma_descriptor(&kp.tma_g);
   }
 
-  for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
-    const WorkTile tile = sched.decode(t);
+  for (int t = 0; tile_valid<kLongestFirst>(kp, t); ++t) {
+    const WorkTile tile = decode_tile<kLongestFirst>(kp, smem, t);
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
       // Wait until both state warpgroups have released this stage (first pass: free).

@@ -25,6 +25,9 @@ constexpr int kHeadDim = 128;        // K == V
 constexpr int kSubBlock = 16;        // rows per sub-block (one warp of a warpgroup)
 constexpr int kNumSubBlocks = kChunk / kSubBlock;
 constexpr int kStages = 2;
+// Limits of the longest-first schedule (tile_scheduler.cuh); beyond them the host picks index order.
+constexpr int kMaxTilesPerCta = 240;  // tiles one persistent CTA can list
+constexpr int kSortMaxSeqs = 4096;    // sequences the bitonic sort takes (keys: 32 KB of stage 0)
 
 constexpr int kTileBytes = kChunk * kHeadDim * 2;  // one 64x128 bf16 tile = 16 KB (two 64x64 boxes)
 constexpr int kBoxBytes = kChunk * 64 * 2;         // 8 KB
@@ -50,6 +53,8 @@ struct alignas(1024) SharedStorage {
   // State warpgroups: one half of the value dimension each.
   alignas(1024) uint8_t state_bf16[2][kHeadDim * 64 * 2];  // S (bf16) as WGMMA B operand; o staging
   alignas(1024) uint8_t v_new[2][kChunk * 64 * 2];         // v_new (bf16) as WGMMA B operand
+
+  int tile_seq[kMaxTilesPerCta];  // longest-first schedule: sequence of this CTA's k-th tile
 
   uint64_t full_bar[kStages];   // TMA -> intra
   uint64_t ready_bar[kStages];  // intra -> state

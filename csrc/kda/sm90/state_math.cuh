@@ -34,6 +34,7 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
       }
 }
 
+template <bool kLongestFirst>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - 256 - 128 * half;  // warpgroups 2 and 3
@@ -43,13 +44,12 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   uint8_t* const s_tile = smem.state_bf16[half];
   uint8_t* const vn_tile = smem.v_new[half];
   const uint32_t s_base = smem_u32(s_tile), vn_base = smem_u32(vn_tile);
-  TileScheduler sched(p);
   PipelineState pipe;
   PhaseTimer timer;
   timer.start();
 
-  for (int t = sched.first(); sched.valid(t); t = sched.next(t)) {
-    const WorkTile tile = sched.decode(t);
+  for (int t = 0; tile_valid<kLongestFirst>(kp, t); ++t) {
+    const WorkTile tile = decode_tile<kLongestFirst>(kp, smem, t);
     StateFragment S;
     load_initial_state(p, tile, S, half, warp, lane);
 
