@@ -45,21 +45,6 @@ __device__ __forceinline__ uint32_t sw128_fragment_offset(int row, int n8, int g
   return uint32_t(row * 128 + (((n8 ^ g4) & 7) << 4) + t4 * 4);
 }
 
-// Addressing of one column (feature) of a 64-row tile, for the one-feature-per-thread passes:
-// offset(i) = base + 128 i + xr[i % 8]. Only the eight swizzle terms live in registers; the row
-// term folds into the instruction's immediate when i is a compile-time constant.
-struct ColumnAddressing {
-  uint32_t base;
-  uint32_t xr[8];
-  __device__ __forceinline__ explicit ColumnAddressing(int col) {
-    const int c = col & 63;
-    base = uint32_t((col >> 6) * 8192 + ((c & 7) << 1));
-#pragma unroll
-    for (int r = 0; r < 8; ++r) xr[r] = uint32_t((((c >> 3) ^ r) & 7) << 4);
-  }
-  __device__ __forceinline__ uint32_t operator()(int i) const { return base + uint32_t(i) * 128 + xr[i & 7]; }
-};
-
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -166,13 +151,6 @@ __device__ __forceinline__ float2 bf16x2_to_float2(uint32_t v) {
 __device__ __forceinline__ uint32_t float2_to_bf16x2(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
-}
-
-__device__ __forceinline__ float ld_bf16(const uint8_t* smem_base, uint32_t off) {
-  return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(smem_base + off));
-}
-__device__ __forceinline__ void st_bf16(uint8_t* smem_base, uint32_t off, float x) {
-  *reinterpret_cast<__nv_bfloat16*>(smem_base + off) = __float2bfloat16_rn(x);
 }
 
 // fp32 -> tf32 (round to nearest, ties away), as the 32-bit pattern a tf32 WGMMA operand takes.

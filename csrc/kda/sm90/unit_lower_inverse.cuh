@@ -41,7 +41,7 @@ __device__ __forceinline__ int permuted_k_slot(int k) { return (k & ~7) | ((k & 
 // as two 128-byte boxes of 32 slots.
 __device__ __forceinline__ uint32_t inverse_operand_offset(int k, int n) {
   const int s = permuted_k_slot(k);
-  return uint32_t((s >> 5) * kBoxBytes + n * 128 + ((((s & 31) >> 2) ^ (n & 7)) << 4) + (s & 3) * 4);
+  return uint32_t((s >> 5) * kBoxBytes) + sw128_chunk_offset(n, (s & 31) >> 2) + uint32_t(s & 3) * 4;
 }
 
 // Rounds fp32 values to tf32 in place (kept as fp32 bit patterns, so the same registers serve
@@ -136,7 +136,7 @@ __device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* dia
       if (s == 0) val = make_uint4(to_tf32(x[odd]), to_tf32(x[2 + odd]), to_tf32(x[4 + odd]), to_tf32(x[6 + odd]));
       if (s == 1)
         val = make_uint4(to_tf32(x[8 + odd]), to_tf32(x[10 + odd]), to_tf32(x[12 + odd]), to_tf32(x[14 + odd]));
-      *reinterpret_cast<uint4*>(tile + h * kBoxBytes + n * 128 + ((xc ^ (n & 7)) << 4)) = val;
+      *reinterpret_cast<uint4*>(tile + h * kBoxBytes + sw128_chunk_offset(n, xc)) = val;
     }
   }
   fence_smem_to_async_proxy();
