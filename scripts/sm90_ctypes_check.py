@@ -140,6 +140,8 @@ def main():
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--bench-varlen", action="store_true",
                     help="time the benchmark's varlen suite (H=HV=64) under the schedule CULA_KDA_SCHEDULE selects")
+    ap.add_argument("--bench-fixed", action="store_true",
+                    help="time the benchmark's fixed-length and GVA suites under the schedule CULA_KDA_SCHEDULE selects")
     ap.add_argument("--t1-draws", type=int, default=0,
                     help="also run this many fresh draws of the one-token case B=T=H=HV=1 and report the worst error")
     ap.add_argument("--sanitizer-case", action="store_true",
@@ -150,7 +152,7 @@ def main():
     results = []
     if args.sanitizer_case:
         ok = check(lib, 1, 200, 2, 4, cu_list=[0, 0, 1, 65, 130, 200])
-        # 70 sequences x 2 value heads > 132 SMs (with CULA_KDA_SCHEDULE=longest_first: persistent CTAs)
+        # 70 sequences x 2 value heads > 132 SMs: persistent longest-first CTAs (unless CULA_KDA_SCHEDULE=index)
         lens = [int(x) for x in torch.randint(0, 20, (70,))]
         lens[3], lens[40] = 130, 0
         ok &= check(lib, 1, sum(lens), 1, 2, cu_list=[0] + list(itertools.accumulate(lens)))
@@ -167,9 +169,11 @@ def main():
     if not args.quick:
         results.append(check(lib, 3, 1000, 4, 4, vk=True))
         results.append(check(lib, 2, 4096, 16, 64))
+        # 192 fixed-length tiles: more than one wave (CULA_KDA_SCHEDULE=longest_first: persistent CTAs)
+        results.append(check(lib, 3, 500, 16, 64, vk=True))
         results.append(check(lib, 1, 4096, 8, 64, cu_list=[0, 63, 127, 192, 1000, 1001, 4096]))
-        # 300 sequences x 8 heads (> one wave: with CULA_KDA_SCHEDULE=longest_first the persistent
-        # longest-first schedule), lengths 0..40 and a few long
+        # 300 sequences x 8 heads (> one wave: the persistent longest-first schedule unless
+        # CULA_KDA_SCHEDULE=index), lengths 0..40 and a few long
         lens = [int(x) for x in torch.randint(0, 41, (300,))]
         lens[7], lens[150], lens[299] = 700, 1, 0
         results.append(check(lib, 1, sum(lens), 2, 8, cu_list=[0] + list(itertools.accumulate(lens))))
@@ -195,6 +199,14 @@ def main():
             fn = lambda: run_kernel(lib, q, k, v, g, beta, A_log, dt_bias, None, None, 128 ** -0.5, -5.0,  # noqa
                                     GATE_IN_KERNEL | QK_L2NORM, True)
             print(f"bench B={B} T={T} H={H} HV={HV}: {median_ms(fn):.3f} ms", flush=True)
+    if args.bench_fixed:
+        shapes = [(B, T, 64, 64) for B in (1, 2, 8) for T in (1024, 4096, 8192, 16384)]
+        shapes += [(2, 8192, H, 64) for H in (32, 16, 8)]
+        for (B, T, H, HV) in shapes:
+            q, k, v, g, beta, A_log, dt_bias, _ = make_inputs(B, T, H, HV, True, True, False, False, B, True)
+            fn = lambda: run_kernel(lib, q, k, v, g, beta, A_log, dt_bias, None, None, 128 ** -0.5, -5.0,  # noqa
+                                    GATE_IN_KERNEL | QK_L2NORM, True)
+            print(f"bench fixed B={B} T={T} H={H} HV={HV}: {median_ms(fn):.3f} ms", flush=True)
     if args.bench_varlen:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
         from bench_kda_prefill import varlen_lengths

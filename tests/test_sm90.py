@@ -520,6 +520,81 @@ def test_varlen_many_sequences(n_seq, H, HV, cu64, h0, layout, gate, l2norm, bet
     compare_to_reference(spec, inp, o, fs, what=f"{spec.id} lens={lens[:12]}...")
 
 
+@gpu_sm90
+@pytest.mark.parametrize("schedule", ["index", "longest_first"])
+def test_fixed_length_more_tiles_than_sms(schedule: str, seed: int, monkeypatch):
+    """A fixed-length batch of more (sequence, value head) tiles than SMs, under both schedules
+    (longest first on fixed-length batches skips the sort: all sequences are equally long)."""
+    monkeypatch.setenv("CULA_KDA_SCHEDULE", schedule)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    spec = Spec(B=3, T=130, H=8, HV=64, h0=True, layout="vk")
+    assert spec.N * spec.HV > sms
+    inp = make_inputs(spec)
+    o, fs = run_sm90(inp)
+    compare_to_reference(spec, inp, o, fs, what=f"{spec.id} schedule={schedule}")
+
+
+def _many_short(n_seq: int, H: int, HV: int, max_len: int = 40) -> tuple[Spec, dict]:
+    lens = torch.randint(0, max_len + 1, (n_seq,)).tolist()
+    lens[:3] = [0, 1, max_len]
+    spec = varlen("many", lens, H=H, HV=HV)
+    return spec, make_inputs(spec)
+
+
+@gpu_sm90
+def test_longest_first_counter_resets(seed: int):
+    """The longest-first schedule hands out tiles from a counter in a per-stream workspace that
+    the kernel resets when it ends: back-to-back calls of different sizes each see every tile
+    (a counter left over would skip tiles and leave o unwritten), under the default schedule."""
+    cases = [_many_short(n, 1, 2) for n in (300, 80, 1000)]
+    outs = [run_sm90(inp) for _, inp in cases]
+    for (spec, inp), (o, fs) in zip(cases, outs):
+        compare_to_reference(spec, inp, o, fs, what=spec.id)
+    for (spec, inp), (o, fs) in zip(cases, outs):
+        o2, fs2 = run_sm90(inp)
+        assert torch.equal(o, o2) and torch.equal(fs, fs2), f"{spec.id}: second round differs"
+
+
+@gpu_sm90
+def test_longest_first_cuda_graph(seed: int):
+    """A longest-first call captured in a CUDA graph on a stream that never ran it eagerly (the
+    schedule's workspace is created during the capture) replays to the eager result, twice."""
+    spec, inp = _many_short(300, 2, 4)
+    o_eager, fs_eager = run_sm90(inp)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            o_g, fs_g = run_sm90(inp)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        o_g.fill_(float("nan"))
+        fs_g.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o_g, o_eager), "graph replay: o differs from the eager call"
+        assert torch.equal(fs_g, fs_eager), "graph replay: final_state differs from the eager call"
+
+
+@gpu_sm90
+def test_longest_first_concurrent_streams(seed: int):
+    """Longest-first calls on two streams at once use separate workspaces: both results exact."""
+    cases = [_many_short(400, 1, 2), _many_short(300, 2, 4)]
+    expected = [run_sm90(inp) for _, inp in cases]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    results = []
+    for (spec, inp), st in zip(cases, streams):
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st):
+            results.append([run_sm90(inp) for _ in range(4)])
+    torch.cuda.synchronize()
+    for (spec, _), (o_ref, fs_ref), runs in zip(cases, expected, results):
+        for o, fs in runs:
+            assert torch.equal(o, o_ref) and torch.equal(fs, fs_ref), f"{spec.id}: differs on a concurrent stream"
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. Every output element written: stale memory and NaN poison; empty sequences
 # ------------------------------------------------------------------------------------------------

@@ -295,8 +295,8 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
   PhaseTimer timer;
   timer.start();
 
-  for (int t = 0; tile_valid<kLongestFirst>(kp, t); ++t) {
-    const WorkTile tile = decode_tile<kLongestFirst>(kp, smem, t);
+  TileCursor cursor;
+  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
     float gate_scale = 1.f;
     float2 gate_bias = make_float2(0.f, 0.f);
     if constexpr (kGateInKernel) {

@@ -10,6 +10,9 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "kernel_params.cuh"
 #include "shared_storage.cuh"
@@ -23,6 +26,39 @@ thread_local const char* g_last_error = "";
 cudaError_t invalid(const char* why) {
   g_last_error = why;
   return cudaErrorInvalidValue;
+}
+
+// The longest-first schedule's workspace (sm90::ScheduleWorkspace, 16 KB) for launches on
+// `stream` of the current device: allocated and zeroed the first time, then kept for the life of
+// the process. Launches on one stream run one after another and each leaves the counters at zero,
+// so they share it; streams that may run concurrently get their own. The first use on a stream
+// may be inside a CUDA graph capture (torch.cuda.graph captures on a stream of its own), where
+// cudaMalloc is not allowed by default and a memset on the stream would only run at replay: the
+// allocation is made in relaxed capture mode and zeroed on a private stream, waited for here,
+// once per stream.
+cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWorkspace** out) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, sm90::ScheduleWorkspace*> cache;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& ws = cache[{device, stream}];
+  if (ws == nullptr) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
+    if (err != cudaSuccess) return err;
+    void* ptr = nullptr;
+    cudaStream_t zeroing = nullptr;
+    err = cudaMalloc(&ptr, sizeof(sm90::ScheduleWorkspace));
+    if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&zeroing, cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaMemsetAsync(ptr, 0, sizeof(sm90::ScheduleWorkspace), zeroing);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(zeroing);
+    if (zeroing != nullptr) cudaStreamDestroy(zeroing);
+    if (err != cudaSuccess && ptr != nullptr) cudaFree(ptr);
+    cudaThreadExchangeStreamCaptureMode(&mode);  // back to the caller's mode
+    if (err != cudaSuccess) return err;
+    ws = static_cast<sm90::ScheduleWorkspace*>(ptr);
+  }
+  *out = ws;
+  return cudaSuccess;
 }
 }  // namespace
 
@@ -60,24 +96,29 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   if ((err = sm90::make_token_head_feature_map(&kp.tma_v, p.v, tokens, p.num_v_heads)) != cudaSuccess) return err;
   if ((err = sm90::make_token_head_feature_map(&kp.tma_g, p.g, tokens, p.num_v_heads)) != cudaSuccess) return err;
 
-  // Tile schedule (tile_scheduler.cuh): one CTA per tile in index order, or, with
-  // CULA_KDA_SCHEDULE=longest_first, longest first on one persistent CTA per SM for varlen
-  // batches of more than one wave (within the limits of shared_storage.cuh). Index order is the
-  // default: measured on H100 it is not slower on the benchmark's skewed batches, where the static
-  // longest-first assignment loses up to 20% (docs/perf-notes.md).
+  // Tile schedule (tile_scheduler.cuh). Longest first on one persistent CTA per SM pays off where
+  // tiles are short (sequences of a few chunks: a CTA per tile spends a large share of its time
+  // starting up, and a persistent CTA overlaps one tile's start with the last one's end) and where
+  // lengths are uneven. With long tiles, index order is as well balanced by the hardware and its
+  // instantiation runs ~10% faster per chunk (register allocation; docs/perf-notes.md). So:
+  // longest first when there is more than one wave of tiles and the mean sequence is shorter than
+  // kLongestFirstMaxMeanTokens tokens, else index order. CULA_KDA_SCHEDULE=index or
+  // =longest_first (read per call) forces one, where it applies.
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
+  int device = 0;
+  if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
   int sm_count = p.device_sm_count;
-  if (sm_count <= 0) {
-    int device = 0;
-    if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
-    if ((err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
-  }
+  if (sm_count <= 0 &&
+      (err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
+    return err;
   const char* schedule = std::getenv("CULA_KDA_SCHEDULE");
-  const bool want_longest_first = schedule != nullptr && std::strcmp(schedule, "longest_first") == 0;
-  const bool longest_first = want_longest_first && p.cu_seqlens != nullptr && num_tiles > sm_count &&
-                             p.num_seqs <= sm90::kSortMaxSeqs &&
-                             (num_tiles + sm_count - 1) / sm_count <= sm90::kMaxTilesPerCta;
+  const bool force_index = schedule != nullptr && std::strcmp(schedule, "index") == 0;
+  const bool force_longest_first = schedule != nullptr && std::strcmp(schedule, "longest_first") == 0;
+  const bool short_sequences = tokens < int64_t(sm90::kLongestFirstMaxMeanTokens) * p.num_seqs;
+  const bool longest_first = !force_index && num_tiles > sm_count && num_tiles <= INT_MAX &&
+                             p.num_seqs <= sm90::kSortMaxSeqs && (short_sequences || force_longest_first);
   if (longest_first) {
+    if ((err = schedule_workspace(device, stream, &kp.schedule)) != cudaSuccess) return err;
     if (p.use_gate_in_kernel)
       return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, true>(kp, sm_count, stream)
                              : sm90::launch_kda_prefill_kernel<true, false, true>(kp, sm_count, stream);

@@ -38,20 +38,34 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
       cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], 256);
     }
+    if constexpr (kLongestFirst) {
+#pragma unroll
+      for (int s = 0; s < kTileSlots; ++s) {
+        cutlass::arch::ClusterBarrier::init(&smem.tile_full_bar[s], 1);           // the producer's lane 0
+        cutlass::arch::ClusterBarrier::init(&smem.tile_empty_bar[s], 3 * 128);    // intra + state threads
+      }
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
-  if constexpr (kLongestFirst)  // all 512 threads, before the roles split (see tile_scheduler.cuh)
-    build_longest_first_list(kp.problem, reinterpret_cast<uint64_t*>(smem.stage[0].q), smem.tile_seq);
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if constexpr (kLongestFirst) {
+      // The producer's warpgroup sorts the sequences in stage 0 before its first load. The whole
+      // CTA then meets once, so that the sort's stores are ordered before anything the math
+      // warpgroups later read or write there (the TMA loads in between are another proxy).
+      sort_sequences_longest_first(kp.problem, reinterpret_cast<uint64_t*>(smem.stage[0].q), kp.schedule->sorted_seq);
+      named_barrier_sync(NamedBarrierId::kScheduleStart, kThreads);
+    }
     if (threadIdx.x < 32) run_load_producer<kLongestFirst>(kp, smem);
   } else if (warpgroup == 1) {
     cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
+    if constexpr (kLongestFirst) named_barrier_sync(NamedBarrierId::kScheduleStart, kThreads);  // sort done
     run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst>(kp, smem);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
+    if constexpr (kLongestFirst) named_barrier_sync(NamedBarrierId::kScheduleStart, kThreads);  // sort done
     run_state_warpgroup<kLongestFirst>(kp, smem, warpgroup - 2);
   }
 #endif

@@ -9,7 +9,8 @@ namespace cula::kda {
 
 // Launches the fused kernel for `params` on `stream`. The caller has validated the arguments
 // (see csrc/api); this checks what the kernel itself relies on and returns an error otherwise.
-// No host synchronisation, no allocation.
+// No host synchronisation; no allocation except, on the first longest-first launch on a stream, its
+// 16 KB schedule workspace (kept for the life of the process).
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream);
 
 // Human-readable reason of the last cudaErrorInvalidValue returned by kda_prefill_sm90 (or "").

@@ -42,8 +42,8 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
     cute::prefetch_tma_descriptor(&kp.tma_g);
   }
 
-  for (int t = 0; tile_valid<kLongestFirst>(kp, t); ++t) {
-    const WorkTile tile = decode_tile<kLongestFirst>(kp, smem, t);
+  TileCursor cursor;
+  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/true>(kp, smem, cursor, tile);) {
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
       // Wait until both state warpgroups have released this stage (first pass: free).

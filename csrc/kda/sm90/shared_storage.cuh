@@ -25,9 +25,16 @@ constexpr int kHeadDim = 128;        // K == V
 constexpr int kSubBlock = 16;        // rows per sub-block (one warp of a warpgroup)
 constexpr int kNumSubBlocks = kChunk / kSubBlock;
 constexpr int kStages = 2;
-// Limits of the longest-first schedule (tile_scheduler.cuh); beyond them the host picks index order.
-constexpr int kMaxTilesPerCta = 240;  // tiles one persistent CTA can list
-constexpr int kSortMaxSeqs = 4096;    // sequences the bitonic sort takes (keys: 32 KB of stage 0)
+// One work tile: a (sequence, value head) pair and where its sequence lies (tile_scheduler.cuh).
+struct TileInfo {
+  int seq;         // sequence index n (-1: no tile left)
+  int v_head;      // hv
+  int qk_head;     // hv / (HV / H)
+  int length;      // tokens in the sequence (may be 0)
+  int64_t token0;  // first token of the sequence in the flattened [B*T] token axis
+};
+
+constexpr int kTileSlots = 4;        // longest-first schedule: tiles the producer may announce ahead
 
 constexpr int kTileBytes = kChunk * kHeadDim * 2;  // one 64x128 bf16 tile = 16 KB (two 64x64 boxes)
 constexpr int kBoxBytes = kChunk * 64 * 2;         // 8 KB
@@ -54,7 +61,10 @@ struct alignas(1024) SharedStorage {
   alignas(1024) uint8_t state_bf16[2][kHeadDim * 64 * 2];  // S (bf16) as WGMMA B operand; o staging
   alignas(1024) uint8_t v_new[2][kChunk * 64 * 2];         // v_new (bf16) as WGMMA B operand
 
-  int tile_seq[kMaxTilesPerCta];  // longest-first schedule: sequence of this CTA's k-th tile
+  // Longest-first schedule: the producer announces each tile it fetched (TileInfo) to the math warpgroups through a small ring (tile_scheduler.cuh).
+  TileInfo tile_slot[kTileSlots];
+  uint64_t tile_full_bar[kTileSlots];   // producer -> math warpgroups
+  uint64_t tile_empty_bar[kTileSlots];  // math warpgroups -> producer
 
   uint64_t full_bar[kStages];   // TMA -> intra
   uint64_t ready_bar[kStages];  // intra -> state

@@ -169,7 +169,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // ------------------------------------------------------------------------------------------
 // Named barriers (ids 0 is __syncthreads; we start at 1).
 // ------------------------------------------------------------------------------------------
-enum class NamedBarrierId : uint32_t { kIntra = 1, kState0 = 2, kState1 = 3 };
+enum class NamedBarrierId : uint32_t { kIntra = 1, kState0 = 2, kState1 = 3, kScheduleSort = 4, kScheduleStart = 5 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrierId id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
@@ -186,16 +186,18 @@ struct PhaseTimer {
 #ifdef CULA_KDA_PROFILE
   long long t0 = 0;
   long long acc[10] = {};
+  int chunks = 0;  // calls of mark(0): one per chunk in every role
   __device__ void start() { t0 = clock64(); }
   __device__ void mark(int i) {
     const long long t = clock64();
     acc[i] += t - t0;
     t0 = t;
+    chunks += i == 0;
   }
   __device__ void report(const char* role, int tid) const {
     if (blockIdx.x == 0 && tid == 0)
-      printf("[%s] %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", role, acc[0], acc[1], acc[2], acc[3], acc[4],
-             acc[5], acc[6], acc[7], acc[8], acc[9]);
+      printf("[%s] chunks %d: %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", role, chunks, acc[0], acc[1], acc[2],
+             acc[3], acc[4], acc[5], acc[6], acc[7], acc[8], acc[9]);
   }
 #else
   __device__ void start() {}

@@ -48,8 +48,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   PhaseTimer timer;
   timer.start();
 
-  for (int t = 0; tile_valid<kLongestFirst>(kp, t); ++t) {
-    const WorkTile tile = decode_tile<kLongestFirst>(kp, smem, t);
+  TileCursor cursor;
+  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
     StateFragment S;
     load_initial_state(p, tile, S, half, warp, lane);
 

@@ -1,21 +1,22 @@
 // Tile scheduler: a work tile is one (sequence n, value head hv) pair; its query/key head is
-// hv / (HV / H) (grouped value attention). Every role of a CTA walks the same tile sequence, so
-// each derives the same (tile, chunk) order without talking to the others. Sequence bounds are
-// read from cu_seqlens on the device, so nothing here needs a host synchronisation.
+// hv / (HV / H) (grouped value attention). Sequence bounds are read from cu_seqlens on the
+// device, so nothing here needs a host synchronisation.
 //
 // Two schedules, chosen on the host (kda_prefill_dispatch.cu), each its own kernel instantiation:
 //
-//   * index order (default): one CTA per tile, tile rank b = blockIdx.x; the hardware hands CTAs
-//     to SMs as they free up, a dynamic greedy schedule.
-//   * longest first (opt-in, CULA_KDA_SCHEDULE=longest_first; varlen with more tiles than SMs):
-//     one persistent CTA per SM. At start every CTA sorts the sequences by chunk count (most
-//     first, ties by index: a total order, so every CTA gets the same result) with a bitonic sort
-//     in the not yet used stage buffers, and keeps the sequences of its own tiles. CTA b takes
-//     ranks b, 2G-1-b, 2G+b, 4G-1-b, ... (a snake over the sorted tiles, G CTAs). The producer
-//     runs into the next tile's chunks while the state warpgroups finish the current one, so
-//     there is no gap between tiles. The assignment is static: it wins on many similar
-//     sequences (no CTA launch per tile) and loses where one sequence dominates (its CTAs still
-//     take their share of the short tiles); see docs/perf-notes.md.
+//   * index order: one CTA per tile, tile rank b = blockIdx.x; the hardware hands CTAs to SMs as
+//     they free up, a dynamic greedy schedule in index order. Every role of the CTA derives the
+//     same tile from blockIdx without talking to the others.
+//   * longest first: one persistent CTA per SM takes tiles from a global atomic counter over the
+//     tiles sorted by chunk count (most first, ties by index), so the longest sequences start
+//     first and every CTA takes its next tile when it finishes the last one: greedy longest
+//     processing time first. At start every CTA sorts the sequences (bitonic sort in the not yet
+//     used stage buffers; a total order, so all CTAs get the same result) and writes the order
+//     to the global workspace, which it alone reads back (other CTAs write the same values). The
+//     producer warp fetches each tile and announces it to the math warpgroups through a ring of
+//     kTileSlots shared-memory slots with full/empty mbarriers; it runs into the next tile's
+//     chunks while the state warpgroups finish the current one, so there is no gap between tiles.
+//     The last CTA to find no tile left resets the counters for the next launch.
 //
 // In both, the value heads of one sequence have adjacent ranks, so heads that share a q/k head
 // (GVA) run at the same time and their q/k loads hit in L2.
@@ -30,16 +31,16 @@
 
 namespace cula::kda::sm90 {
 
-struct WorkTile {
-  int seq;        // sequence index n
-  int v_head;     // hv
-  int qk_head;    // hv / (HV / H)
-  int64_t token0; // first token of the sequence in the flattened [B*T] token axis
-  int length;     // tokens in the sequence (may be 0)
+struct WorkTile : TileInfo {
   __device__ int num_chunks() const { return (length + kChunk - 1) / kChunk; }
   // Valid rows of chunk c (1..64).
   __device__ int chunk_rows(int c) const { return min(kChunk, length - c * kChunk); }
 };
+
+// CUTLASS's idiom: a value broadcast from lane 0 is one the compiler knows is the same in every
+// lane of the warp. Tile fields read from shared memory go through it; without it the math
+// warpgroups' register allocation spilled more inside the chunk loop (docs/perf-notes.md).
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
 static_assert(kSortMaxSeqs * 8 <= 2 * kTileBytes, "sort keys must fit in stage 0's q and k tiles");
 
@@ -48,24 +49,36 @@ __device__ __forceinline__ int64_t seq_start(const KdaPrefillParams& p, int n) {
                                : int64_t(static_cast<const int32_t*>(p.cu_seqlens)[n]);
 }
 
-// Rank of the k-th tile of this CTA: the snake above, or a plain grid stride in index order.
-template <bool kLongestFirst>
-__device__ __forceinline__ int tile_rank(int k) {
-  if constexpr (kLongestFirst)
-    return k * int(gridDim.x) + ((k & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x));
-  else
-    return int(blockIdx.x) + k * int(gridDim.x);
+__device__ __forceinline__ TileInfo make_tile(const KdaPrefillParams& p, int seq, int v_head) {
+  TileInfo w;
+  w.seq = seq;
+  w.v_head = v_head;
+  w.qk_head = v_head / (p.num_v_heads / p.num_qk_heads);
+  if (p.cu_seqlens == nullptr) {
+    w.token0 = int64_t(seq) * p.seqlen;
+    w.length = p.seqlen;
+  } else {
+    w.token0 = seq_start(p, seq);
+    w.length = int(seq_start(p, seq + 1) - w.token0);
+  }
+  return w;
 }
 
-// Longest-first schedule: sorts the sequences and writes the sequence of each of this CTA's tiles
-// to `tile_seq`. All threads of the CTA call it before the roles split; `keys` (room for
-// kSortMaxSeqs) lies in stage memory that is free until the producer's first TMA load.
-__device__ __forceinline__ void build_longest_first_list(const KdaPrefillParams& p, uint64_t* keys, int* tile_seq) {
+// Longest-first schedule: the producer's warpgroup (128 threads, before the producer warp starts)
+// sorts the sequences by chunk count and writes the order to `sorted_seq` (global). `keys` (room
+// for kSortMaxSeqs) lies in stage memory that is free until the producer's first TMA load; the
+// math warpgroups do not wait for it (they learn their tiles from the producer). Fixed-length
+// batches need no sort (all sequences are equally long: index order is longest first).
+__device__ __forceinline__ void sort_sequences_longest_first(const KdaPrefillParams& p, uint64_t* keys,
+                                                             int* sorted_seq) {
+  if (p.cu_seqlens == nullptr) return;
+  constexpr uint32_t kSortThreads = 128;
+  const int tid = int(threadIdx.x);  // 0..127
   const int n = p.num_seqs;
   int padded = 2;
   while (padded < n) padded <<= 1;
   // key = (~chunks, index): ascending order is "most chunks first, then lower index".
-  for (int i = threadIdx.x; i < padded; i += blockDim.x) {
+  for (int i = tid; i < padded; i += kSortThreads) {
     uint64_t key = ~uint64_t(0);
     if (i < n) {
       const int64_t chunks = (seq_start(p, i + 1) - seq_start(p, i) + kChunk - 1) / kChunk;
@@ -73,10 +86,10 @@ __device__ __forceinline__ void build_longest_first_list(const KdaPrefillParams&
     }
     keys[i] = key;
   }
-  __syncthreads();
+  named_barrier_sync(NamedBarrierId::kScheduleSort, kSortThreads);
   for (int size = 2; size <= padded; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = threadIdx.x; i < padded; i += blockDim.x) {
+      for (int i = tid; i < padded; i += kSortThreads) {
         const int j = i ^ stride;
         if (j > i) {
           const uint64_t a = keys[i], b = keys[j];
@@ -86,49 +99,82 @@ __device__ __forceinline__ void build_longest_first_list(const KdaPrefillParams&
           }
         }
       }
-      __syncthreads();
+      named_barrier_sync(NamedBarrierId::kScheduleSort, kSortThreads);
     }
   }
-  const int num_tiles = n * p.num_v_heads;
-  for (int k = threadIdx.x; k < kMaxTilesPerCta; k += blockDim.x) {
-    const int r = tile_rank<true>(k);
-    tile_seq[k] = r < num_tiles ? int(uint32_t(keys[r / p.num_v_heads])) : 0;
-  }
-  // The stage buffers are next written by TMA (async proxy).
+  for (int i = tid; i < n; i += kSortThreads) sorted_seq[i] = int(uint32_t(keys[i]));
+  // The stage buffers are next written by TMA (async proxy); the producer reads sorted_seq after
+  // the barrier (bar.sync orders the warpgroup's global writes before its reads).
   fence_smem_to_async_proxy();
-  __syncthreads();
+  named_barrier_sync(NamedBarrierId::kScheduleSort, kSortThreads);
 }
 
 // The tile walk of every role:
-//   for (int k = 0; tile_valid<kLongestFirst>(kp, k); ++k) { WorkTile w = decode_tile<kLongestFirst>(kp, smem, k); ... }
-// The schedule is a template parameter (two instantiations of the kernel) so that the index-order
-// kernel, which every fixed-length batch uses, compiles exactly as without the other schedule.
-template <bool kLongestFirst>
-__device__ __forceinline__ bool tile_valid(const KdaKernelParams& kp, int k) {
-  return tile_rank<kLongestFirst>(k) < kp.problem.num_seqs * kp.problem.num_v_heads;
-}
+//   TileCursor cursor;
+//   for (WorkTile tile; next_tile<kLongestFirst, kIsProducer>(kp, smem, cursor, tile);) { ... }
+// The producer warp (all 32 lanes) fetches and announces; the math warpgroups (every thread)
+// receive. The schedule is a template
+// parameter (two instantiations of the kernel) so that the index-order kernel compiles exactly
+// as without the other schedule.
+struct TileCursor {
+  int k = 0;  // tiles of this CTA so far
+};
 
-template <bool kLongestFirst>
-__device__ __forceinline__ WorkTile decode_tile(const KdaKernelParams& kp, const SharedStorage& smem, int k) {
+template <bool kLongestFirst, bool kIsProducer>
+__device__ __forceinline__ bool next_tile(const KdaKernelParams& kp, SharedStorage& smem, TileCursor& cursor,
+                                          WorkTile& tile) {
   const KdaPrefillParams& p = kp.problem;
-  const int r = tile_rank<kLongestFirst>(k);
-  WorkTile w;
-  if constexpr (kLongestFirst) {
-    w.seq = smem.tile_seq[k];
-    w.v_head = r % p.num_v_heads;
+  const int num_tiles = p.num_seqs * p.num_v_heads;
+  if constexpr (!kLongestFirst) {
+    const int r = int(blockIdx.x) + cursor.k++ * int(gridDim.x);
+    if (r >= num_tiles) return false;
+    const int seq = r / p.num_v_heads;
+    static_cast<TileInfo&>(tile) = make_tile(p, seq, r - seq * p.num_v_heads);
+    return true;
   } else {
-    w.seq = r / p.num_v_heads;
-    w.v_head = r - w.seq * p.num_v_heads;
+    const int slot = cursor.k % kTileSlots;
+    const uint32_t phase = uint32_t(cursor.k / kTileSlots) & 1u;
+    ++cursor.k;
+    if constexpr (kIsProducer) {
+      if ((threadIdx.x & 31) == 0) {
+        ScheduleWorkspace* ws = kp.schedule;
+        const int r = atomicAdd(&ws->next_tile, 1);
+        TileInfo info{-1, 0, 0, 0, 0};
+        if (r < num_tiles) {
+          const int j = r / p.num_v_heads;
+          info = make_tile(p, p.cu_seqlens != nullptr ? ws->sorted_seq[j] : j, r - j * p.num_v_heads);
+        }
+        cutlass::arch::ClusterBarrier::wait(&smem.tile_empty_bar[slot], phase ^ 1u);
+        smem.tile_slot[slot] = info;
+        cutlass::arch::ClusterBarrier::arrive(&smem.tile_full_bar[slot]);
+        if (info.seq < 0) {
+          // This CTA's last fetch is done; the last CTA to get here resets the counters. The fence
+          // orders this CTA's fetches before its count, so the reset follows every fetch.
+          __threadfence();
+          if (atomicAdd(&ws->ctas_done, 1) == int(gridDim.x) - 1) {
+            __threadfence();
+            atomicExch(&ws->next_tile, 0);
+            atomicExch(&ws->ctas_done, 0);
+          }
+        }
+      }
+      __syncwarp();
+    } else {
+      cutlass::arch::ClusterBarrier::wait(&smem.tile_full_bar[slot], phase);
+    }
+    // Every lane (producer warp) or thread (math warpgroups) copies the announced tile.
+    const TileInfo& info = smem.tile_slot[slot];
+    tile.seq = warp_uniform(info.seq);
+    tile.v_head = warp_uniform(info.v_head);
+    tile.qk_head = warp_uniform(info.qk_head);
+    tile.length = warp_uniform(info.length);
+    const uint32_t token0_lo = uint32_t(warp_uniform(int(info.token0)));
+    const uint32_t token0_hi = uint32_t(warp_uniform(int(info.token0 >> 32)));
+    tile.token0 = int64_t((uint64_t(token0_hi) << 32) | token0_lo);
+    if constexpr (!kIsProducer)  // the slot may take a new tile once every math thread has it
+      cutlass::arch::ClusterBarrier::arrive(&smem.tile_empty_bar[slot]);
+    return tile.seq >= 0;
   }
-  w.qk_head = w.v_head / (p.num_v_heads / p.num_qk_heads);
-  if (p.cu_seqlens == nullptr) {
-    w.token0 = int64_t(w.seq) * p.seqlen;
-    w.length = p.seqlen;
-  } else {
-    w.token0 = seq_start(p, w.seq);
-    w.length = int(seq_start(p, w.seq + 1) - w.token0);
-  }
-  return w;
 }
 
 // (stage, phase) iterator over the shared-memory ring, advanced once per chunk by every role.
