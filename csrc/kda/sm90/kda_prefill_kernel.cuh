@@ -48,24 +48,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  if constexpr (kLongestFirst) {
+    // The producer's warpgroup sorts the sequences in stage 0 (free until the first load); the
+    // barrier orders the sort's stores before anything the math warpgroups later do there (the
+    // TMA loads in between are another proxy, which the sanitizer's race check does not follow).
+    if (warpgroup == 0)
+      sort_sequences_longest_first(kp.problem, reinterpret_cast<uint64_t*>(smem.stage[0].q), kp.schedule->sorted_seq);
+    __syncthreads();
+  }
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if constexpr (kLongestFirst) {
-      // The producer's warpgroup sorts the sequences in stage 0 before its first load. The whole
-      // CTA then meets once, so that the sort's stores are ordered before anything the math
-      // warpgroups later read or write there (the TMA loads in between are another proxy).
-      sort_sequences_longest_first(kp.problem, reinterpret_cast<uint64_t*>(smem.stage[0].q), kp.schedule->sorted_seq);
-      named_barrier_sync(NamedBarrierId::kScheduleStart, kThreads);
-    }
     if (threadIdx.x < 32) run_load_producer<kLongestFirst>(kp, smem);
   } else if (warpgroup == 1) {
     cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-    if constexpr (kLongestFirst) named_barrier_sync(NamedBarrierId::kScheduleStart, kThreads);  // sort done
     run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst>(kp, smem);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-    if constexpr (kLongestFirst) named_barrier_sync(NamedBarrierId::kScheduleStart, kThreads);  // sort done
     run_state_warpgroup<kLongestFirst>(kp, smem, warpgroup - 2);
   }
 #endif

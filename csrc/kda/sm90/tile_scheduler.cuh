@@ -64,11 +64,11 @@ __device__ __forceinline__ TileInfo make_tile(const KdaPrefillParams& p, int seq
   return w;
 }
 
-// Longest-first schedule: the producer's warpgroup (128 threads, before the producer warp starts)
-// sorts the sequences by chunk count and writes the order to `sorted_seq` (global). `keys` (room
-// for kSortMaxSeqs) lies in stage memory that is free until the producer's first TMA load; the
-// math warpgroups do not wait for it (they learn their tiles from the producer). Fixed-length
-// batches need no sort (all sequences are equally long: index order is longest first).
+// Longest-first schedule: the producer's warpgroup (128 threads, before the roles start; the
+// caller's __syncthreads follows) sorts the sequences by chunk count and writes the order to
+// `sorted_seq` (global). `keys` (room for kSortMaxSeqs) lies in stage memory that is free until
+// the producer's first TMA load. Fixed-length batches need no sort (all sequences are equally
+// long: index order is longest first).
 __device__ __forceinline__ void sort_sequences_longest_first(const KdaPrefillParams& p, uint64_t* keys,
                                                              int* sorted_seq) {
   if (p.cu_seqlens == nullptr) return;
@@ -103,10 +103,9 @@ __device__ __forceinline__ void sort_sequences_longest_first(const KdaPrefillPar
     }
   }
   for (int i = tid; i < n; i += kSortThreads) sorted_seq[i] = int(uint32_t(keys[i]));
-  // The stage buffers are next written by TMA (async proxy); the producer reads sorted_seq after
-  // the barrier (bar.sync orders the warpgroup's global writes before its reads).
+  // The stage buffers are next written by TMA (async proxy). The producer reads sorted_seq after
+  // the caller's barrier, which orders the CTA's global stores before its loads.
   fence_smem_to_async_proxy();
-  named_barrier_sync(NamedBarrierId::kScheduleSort, kSortThreads);
 }
 
 // The tile walk of every role:
