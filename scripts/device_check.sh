@@ -4,11 +4,12 @@
 #            so the device call must carry them: carry=["wheels"])
 #   build    MAX_JOBS=16 pip install --no-build-isolation --no-deps -e .   (log: $OUT/build.log)
 #   tests    python -m pytest tests -m gpu_sm90 -q --tb=short              (log: $OUT/gpu_tests.log)
+#   sanitizer scripts/sanitizer_check.sh: memcheck, racecheck, synccheck (logs: $OUT/sanitizer_*.log)
 #   bench    python benchmarks/bench_kda_prefill.py --quick --json $OUT/bench.json --md $OUT/bench.md
 # plus $OUT/env.txt (GPU, driver, versions, commit) and $OUT/summary.txt.
 #
 #   OUT=/path bash scripts/device_check.sh       (OUT defaults to ./device_out)
-# Env: SKIP_WHEELS=1 SKIP_BUILD=1 SKIP_TESTS=1 SKIP_BENCH=1 skip a stage; COMMIT=<sha> names the
+# Env: SKIP_WHEELS=1 SKIP_BUILD=1 SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1 skip a stage; COMMIT=<sha> names the
 # commit when .git did not travel; PYTHON (default python3); MAX_JOBS (default 16);
 # BENCH_ARGS (default "--quick"); PYTEST_ARGS (default "-q --tb=short": no -x, so one failure does not hide the rest).
 # Exit code: 0 when every stage that ran passed.
@@ -121,6 +122,20 @@ else
     5) record tests NO_TESTS $((SECONDS - S0)) "no gpu_sm90 test was collected" ;;
     *) record tests FAILED $((SECONDS - S0)) "pytest rc=$rc: $last" ;;
   esac
+fi
+
+# --- compute-sanitizer ------------------------------------------------------------------------------------
+if [[ "${SKIP_SANITIZER:-0}" == 1 ]]; then
+  record sanitize skipped 0
+else
+  stage_begin "compute-sanitizer"
+  OUT="$OUT" PYTHON="$PY" bash scripts/sanitizer_check.sh 2>&1 | tee "$OUT/sanitizer.log"
+  rc=${PIPESTATUS[0]}
+  if ((rc == 0)); then
+    record sanitize ok $((SECONDS - S0)) "$(tail -1 "$OUT/sanitizer.log")"
+  else
+    record sanitize FAILED $((SECONDS - S0)) "rc=$rc, see $OUT/sanitizer.log"
+  fi
 fi
 
 # --- benchmark --------------------------------------------------------------------------------------------
