@@ -3,7 +3,8 @@
 #   wheels   pip install --no-deps the wheels in ./wheels (nvidia-cutlass, fla-core; git-ignored,
 #            so the device call must carry them: carry=["wheels"])
 #   build    MAX_JOBS=16 pip install --no-build-isolation --no-deps -e .   (log: $OUT/build.log)
-#   tests    python -m pytest tests -m gpu_sm90 -q --tb=short              (log: $OUT/gpu_tests.log)
+#   tests    python -m pytest tests -m gpu_sm90 -v --tb=short              (log: $OUT/gpu_tests.log,
+#            errors of every comparison: $OUT/error_table.md)
 #   sanitizer scripts/sanitizer_check.sh: memcheck, racecheck, synccheck (logs: $OUT/sanitizer_*.log)
 #   bench    python benchmarks/bench_kda_prefill.py --quick --json $OUT/bench.json --md $OUT/bench.md
 # plus $OUT/env.txt (GPU, driver, versions, commit) and $OUT/summary.txt.
@@ -11,7 +12,7 @@
 #   OUT=/path bash scripts/device_check.sh       (OUT defaults to ./device_out)
 # Env: SKIP_WHEELS=1 SKIP_BUILD=1 SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1 skip a stage; COMMIT=<sha> names the
 # commit when .git did not travel; PYTHON (default python3); MAX_JOBS (default 16);
-# BENCH_ARGS (default "--quick"); PYTEST_ARGS (default "-q --tb=short": no -x, so one failure does not hide the rest).
+# BENCH_ARGS (default "--quick"); PYTEST_ARGS (default "-v --tb=short": every test named in the log; no -x, so one failure does not hide the rest).
 # Exit code: 0 when every stage that ran passed.
 set -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -81,6 +82,7 @@ else
   elif $PY -m pip install -q --no-index --no-deps --no-cache-dir "${whls[@]}"; then
     if $PY -c 'import einops' 2>/dev/null; then
       record wheels ok $((SECONDS - S0)) "${whls[*]}"
+      $PY -c 'import importlib.metadata as md; [print(f"{d} (after the wheels stage): {md.version(d)}") for d in ("fla-core", "nvidia-cutlass")]' >>"$OUT/env.txt" 2>&1
     else
       record wheels ok $((SECONDS - S0)) "${whls[*]}; WARNING: einops missing (fla needs it)"
     fi
@@ -114,7 +116,8 @@ if [[ "${SKIP_TESTS:-0}" == 1 ]]; then
 else
   stage_begin "GPU tests"
   # shellcheck disable=SC2086
-  $PY -m pytest tests -m gpu_sm90 ${PYTEST_ARGS:--q --tb=short} -rfEs 2>&1 | tee "$OUT/gpu_tests.log"
+  CULA_SM90_ERROR_TABLE="$OUT/error_table.md" $PY -m pytest tests -m gpu_sm90 ${PYTEST_ARGS:--v --tb=short} -rfEs 2>&1 |
+    tee "$OUT/gpu_tests.log"
   rc=${PIPESTATUS[0]}
   last=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/gpu_tests.log" | tail -1)
   case $rc in

@@ -6,6 +6,9 @@
   ``sm90_device`` fixture returns the device (skipping likewise).
 * ``seed`` fixture: a fresh random seed per test (from ``os.urandom``), applied to torch and
   printed, so a failure shows how to reproduce it. Set ``CULA_TEST_SEED=<n>`` to replay a seed.
+* ``summary_lines`` fixture: a list that tests append lines to; pytest prints them in its terminal
+  summary (output written from a fixture's teardown is captured and lost, so summaries such as
+  the GPU tests' error table go through here).
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ requires_sm90 = pytest.mark.skipif(
 )
 
 
+_SUMMARY_LINES = pytest.StashKey[list]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_SUMMARY_LINES] = []
     config.addinivalue_line(
         "markers",
         "gpu_sm90: needs an SM90 (Hopper) CUDA GPU and the compiled cula._C extension "
@@ -73,3 +80,17 @@ def seed(request: pytest.FixtureRequest) -> int:
     torch.manual_seed(value)
     print(f"[seed] {request.node.nodeid}: CULA_TEST_SEED={value}")
     return value
+
+
+@pytest.fixture(scope="session")
+def summary_lines(pytestconfig: pytest.Config) -> list:
+    """Lines for the end of the run: pytest prints them in its terminal summary."""
+    return pytestconfig.stash[_SUMMARY_LINES]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    lines = config.stash.get(_SUMMARY_LINES, [])
+    if lines:
+        terminalreporter.section("cula summary")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -190,7 +190,7 @@ def _current_test() -> str:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _error_table(request: pytest.FixtureRequest):
+def _error_table(summary_lines: list):
     """After the module: a one-line summary of the errors measured, and the full table on demand."""
     yield
     if not _ERROR_ROWS:
@@ -209,12 +209,7 @@ def _error_table(request: pytest.FixtureRequest):
             for test, what, eo, es in _ERROR_ROWS:
                 f.write(f"| {test} | {what} | {eo:.3e} | {'-' if es is None else f'{es:.3e}'} |\n")
         line += f"; table in {path}"
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write_line(line)
-    else:
-        print(line)
+    summary_lines.append(line)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
