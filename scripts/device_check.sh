@@ -82,10 +82,13 @@ else
   elif $PY -m pip install -q --no-index --no-deps --no-cache-dir "${whls[@]}"; then
     if $PY -c 'import einops' 2>/dev/null; then
       record wheels ok $((SECONDS - S0)) "${whls[*]}"
-      $PY -c 'import importlib.metadata as md; [print(f"{d} (after the wheels stage): {md.version(d)}") for d in ("fla-core", "nvidia-cutlass")]' >>"$OUT/env.txt" 2>&1
     else
       record wheels ok $((SECONDS - S0)) "${whls[*]}; WARNING: einops missing (fla needs it)"
     fi
+    # env.txt was written before the wheels went in: add the versions they brought.
+    for dist in fla-core nvidia-cutlass; do
+      echo "$dist (after the wheels stage): $($PY -m pip show "$dist" 2>/dev/null | sed -n 's/^Version: //p')"
+    done >>"$OUT/env.txt"
   else
     record wheels FAILED $((SECONDS - S0)) "pip install ${whls[*]}"
   fi
