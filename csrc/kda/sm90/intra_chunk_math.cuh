@@ -71,21 +71,28 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     const uint8_t* k_row = st.k + half * kBoxBytes;
     uint8_t* v_row = st.v + half * kBoxBytes;
     const float beta = st.beta[r];
+    // Every load of the row first: the stores of beta*v below could alias later loads as far as
+    // the compiler knows, so loads interleaved with them would each wait for the previous store.
+    uint4 qraw[8], kraw[8], vraw[8];
+#pragma unroll
+    for (int x = 0; x < 8; ++x) {
+      qraw[x] = *reinterpret_cast<const uint4*>(q_row + sw128_chunk_offset(r, x));
+      kraw[x] = *reinterpret_cast<const uint4*>(k_row + sw128_chunk_offset(r, x));
+      vraw[x] = *reinterpret_cast<const uint4*>(v_row + sw128_chunk_offset(r, x));
+    }
     float qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll
     for (int x = 0; x < 8; ++x) {
-      const uint4 qraw = *reinterpret_cast<const uint4*>(q_row + sw128_chunk_offset(r, x));
-      const uint4 kraw = *reinterpret_cast<const uint4*>(k_row + sw128_chunk_offset(r, x));
       // v <- beta v (the right-hand operand of U = M (beta v)), 16 bytes at a time.
-      uint4 vraw = *reinterpret_cast<const uint4*>(v_row + sw128_chunk_offset(r, x));
-      uint32_t* vw = reinterpret_cast<uint32_t*>(&vraw);
+      uint32_t* vw = reinterpret_cast<uint32_t*>(&vraw[x]);
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const float2 f = bf16x2_to_float2(vw[u]);
         vw[u] = float2_to_bf16x2(f.x * beta, f.y * beta);
       }
-      *reinterpret_cast<uint4*>(v_row + sw128_chunk_offset(r, x)) = vraw;
-      const uint32_t qw[4] = {qraw.x, qraw.y, qraw.z, qraw.w}, kw[4] = {kraw.x, kraw.y, kraw.z, kraw.w};
+      *reinterpret_cast<uint4*>(v_row + sw128_chunk_offset(r, x)) = vraw[x];
+      const uint32_t qw[4] = {qraw[x].x, qraw[x].y, qraw[x].z, qraw[x].w};
+      const uint32_t kw[4] = {kraw[x].x, kraw[x].y, kraw[x].z, kraw[x].w};
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const float2 a = bf16x2_to_float2(qw[u]), b = bf16x2_to_float2(kw[u]);
@@ -155,6 +162,9 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     }
     rb_local[bb][0] = cum0;
     rb_local[bb][1] = cum1;
+    // The l2-norm reciprocals of four rows at a time as one 16-byte load: the stores below could
+    // alias them as far as the compiler knows, so each load waits for the stores before it.
+    float4 rq4 = make_float4(1.f, 1.f, 1.f, 1.f), rk4 = rq4;
 #pragma unroll
     for (int ii = 0; ii < kSubBlock; ++ii) {
       const int i = row0 + ii;
@@ -163,7 +173,12 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       const float f0 = fast_exp2(-d0), f1 = fast_exp2(-d1);
       float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
       if constexpr (kL2Norm) {
-        const float rq = rnorm[i], rk = rnorm[kChunk + i];
+        if (ii % 4 == 0) {
+          rq4 = *reinterpret_cast<const float4*>(rnorm + i);
+          rk4 = *reinterpret_cast<const float4*>(rnorm + kChunk + i);
+        }
+        const float rq = ii % 4 == 0 ? rq4.x : ii % 4 == 1 ? rq4.y : ii % 4 == 2 ? rq4.z : rq4.w;
+        const float rk = ii % 4 == 0 ? rk4.x : ii % 4 == 1 ? rk4.y : ii % 4 == 2 ? rk4.z : rk4.w;
         qv = make_float2(qv.x * rq, qv.y * rq);
         kv = make_float2(kv.x * rk, kv.y * rk);
       }
@@ -367,14 +382,20 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           const float2 rb = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
           const float s0 = fast_exp2(rb.x), s1 = fast_exp2(rb.y);
           uint32_t qx[kSubBlock], kx[kSubBlock];
+          float betas[kSubBlock];  // loaded before the stores (see intra_prepare_operands)
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) {
             qx[ii] = ld_bf16x2(st.q, addr(row0 + ii));
             kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
           }
 #pragma unroll
+          for (int x = 0; x < kSubBlock / 4; ++x) {
+            const float4 b4 = *reinterpret_cast<const float4*>(&st.beta[row0 + 4 * x]);
+            betas[4 * x] = b4.x, betas[4 * x + 1] = b4.y, betas[4 * x + 2] = b4.z, betas[4 * x + 3] = b4.w;
+          }
+#pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) {
-            const float beta = st.beta[row0 + ii];
+            const float beta = betas[ii];
             const float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
             st_bf16x2(st.q, addr(row0 + ii), qv.x * s0, qv.y * s1);
             st_bf16x2(st.k, addr(row0 + ii), kv.x * (s0 * beta), kv.y * (s1 * beta));

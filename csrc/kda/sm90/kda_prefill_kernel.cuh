@@ -26,9 +26,13 @@ static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "regis
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ uint8_t smem_raw[];
-  SharedStorage& smem =
-      *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
+  // __shared__ array itself: a round trip through an integer would hide from the compiler that the
+  // pointer is in shared memory, and every access would become a generic LD/ST (long-scoreboard
+  // latency) instead of LDS/STS. The launch reserves the 1 KB of slack (kSharedBytes).
+  const uint32_t align_pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw + align_pad);
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {

@@ -44,9 +44,23 @@ __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffff
 
 static_assert(kSortMaxSeqs * 8 <= 2 * kTileBytes, "sort keys must fit in stage 0's q and k tiles");
 
-__device__ __forceinline__ int64_t seq_start(const KdaPrefillParams& p, int n) {
+__device__ __forceinline__ int64_t cu_seqlens_at(const KdaPrefillParams& p, int n) {
   return p.cu_seqlens_is_int64 ? static_cast<const int64_t*>(p.cu_seqlens)[n]
                                : int64_t(static_cast<const int32_t*>(p.cu_seqlens)[n]);
+}
+
+// Token range [begin, end) of sequence n, clamped to the token axis [0, T]: whatever values a GPU
+// cu_seqlens holds (decreasing, negative, past the end: a bad batch or a padded graph bucket), the
+// kernel reads and writes only rows of its tensors. A range that is empty after clamping is an
+// empty sequence (zero chunks; its final state is its initial state).
+struct SeqRange {
+  int64_t begin, end;
+};
+__device__ __forceinline__ SeqRange seq_range(const KdaPrefillParams& p, int n) {
+  const int64_t total = p.seqlen;  // B == 1 with cu_seqlens
+  const int64_t b = min(max(cu_seqlens_at(p, n), int64_t(0)), total);
+  const int64_t e = min(max(cu_seqlens_at(p, n + 1), b), total);
+  return {b, e};
 }
 
 __device__ __forceinline__ TileInfo make_tile(const KdaPrefillParams& p, int seq, int v_head) {
@@ -58,8 +72,9 @@ __device__ __forceinline__ TileInfo make_tile(const KdaPrefillParams& p, int seq
     w.token0 = int64_t(seq) * p.seqlen;
     w.length = p.seqlen;
   } else {
-    w.token0 = seq_start(p, seq);
-    w.length = int(seq_start(p, seq + 1) - w.token0);
+    const SeqRange r = seq_range(p, seq);
+    w.token0 = r.begin;
+    w.length = int(r.end - r.begin);
   }
   return w;
 }
@@ -81,7 +96,8 @@ __device__ __forceinline__ void sort_sequences_longest_first(const KdaPrefillPar
   for (int i = tid; i < padded; i += kSortThreads) {
     uint64_t key = ~uint64_t(0);
     if (i < n) {
-      const int64_t chunks = (seq_start(p, i + 1) - seq_start(p, i) + kChunk - 1) / kChunk;
+      const SeqRange r = seq_range(p, i);
+      const int64_t chunks = (r.end - r.begin + kChunk - 1) / kChunk;
       key = (uint64_t(0xffffffffu - uint32_t(chunks)) << 32) | uint32_t(i);
     }
     keys[i] = key;
