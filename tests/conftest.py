@@ -2,8 +2,7 @@
 
 * ``@pytest.mark.gpu_sm90``: tests that need an SM90 (Hopper) CUDA GPU *and* the compiled
   extension ``cula._C``. They are skipped, with the reason shown by ``pytest -rs``, where either is
-  missing. ``requires_sm90`` is the same condition as a ready-made ``skipif`` mark, and the
-  ``sm90_device`` fixture returns the device (skipping likewise).
+  missing.
 * ``seed`` fixture: a fresh random seed per test (from ``os.urandom``), applied to torch and
   printed, so a failure shows how to reproduce it. Set ``CULA_TEST_SEED=<n>`` to replay a seed.
 * ``summary_lines`` fixture: a list that tests append lines to; pytest prints them in its terminal
@@ -36,11 +35,6 @@ def sm90_unavailable_reason() -> str:
     return ""
 
 
-requires_sm90 = pytest.mark.skipif(
-    bool(sm90_unavailable_reason()), reason=sm90_unavailable_reason() or "SM90 available"
-)
-
-
 _SUMMARY_LINES = pytest.StashKey[list]()
 
 
@@ -61,15 +55,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu_sm90" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture
-def sm90_device() -> torch.device:
-    """The SM90 CUDA device; skips the test (with the reason) where there is none."""
-    reason = sm90_unavailable_reason()
-    if reason:
-        pytest.skip(f"gpu_sm90: {reason}")
-    return torch.device("cuda", 0)
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ def assert_unchanged(kwargs: dict[str, Any], snap: dict[str, torch.Tensor]) -> N
 
 
 def naive_kda(q, k, v, g, beta, scale, h0=None, cu=None, layout="kv"):
-    """Independent fp64 loop of the recurrence (DESIGN.md section 2); g is the log decay."""
+    """Independent fp64 loop of the recurrence (docs/math.md); g is the log decay."""
     q, k, v, g, beta = (t.double() for t in (q, k, v, g, beta))
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
@@ -509,22 +509,27 @@ def test_hopper_without_extension_raises(monkeypatch) -> None:
     assert "simulated" in msg and "no-build-isolation" in msg and 'backend="reference"' in msg
 
 
+#: The extension's calling convention: keyword-only arguments with these names (the names of the
+#: op's schema; ``state_v_first`` is ``state_layout == "vk"``).
+EXT_ARGUMENTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
+                 "o", "final_state", "scale", "lower_bound", "use_gate_in_kernel",
+                 "use_qk_l2norm_in_kernel", "state_v_first")
+
+
 def test_sm90_dispatch_calls_extension_with_documented_arguments(monkeypatch) -> None:
-    """The fused backend gets contiguous inputs and the documented positional arguments."""
+    """The fused backend gets dense inputs, caller-owned outputs and named arguments only."""
     from cula import _ext
 
-    calls: list[tuple] = []
+    calls: list[dict[str, Any]] = []
 
     class FakeExt:
         @staticmethod
-        def kda_prefill_sm90(*args):
-            calls.append(args)
-            q, v = args[0], args[2]
-            o = torch.zeros(v.shape, dtype=q.dtype)
-            out = [o]
-            if args[14]:
-                out.append(torch.zeros(1, 4, 128, 128))
-            return out
+        def kda_prefill_sm90(*args, **kwargs):
+            assert not args, "the extension takes keyword arguments only"
+            calls.append(kwargs)
+            kwargs["o"].fill_(1.0)
+            if kwargs["final_state"] is not None:
+                kwargs["final_state"].fill_(2.0)
 
     monkeypatch.setattr(prefill_mod, "_check_sm90_environment", lambda q, prefix: None)
     monkeypatch.setattr(_ext, "get_ext", lambda: FakeExt)
@@ -537,29 +542,32 @@ def test_sm90_dispatch_calls_extension_with_documented_arguments(monkeypatch) ->
     o, ht = kda_prefill(**kw)
     assert_unchanged(kw, snap)
     assert prefill_mod.last_backend() == "sm90"
-    assert o.shape == (1, 5, 4, 128) and ht.shape == (1, 4, 128, 128)
+    assert o.shape == (1, 5, 4, 128) and o.dtype == torch.bfloat16 and bool((o == 1).all())
+    assert ht.shape == (1, 4, 128, 128) and ht.dtype == torch.float32 and bool((ht == 2).all())
     (args,) = calls
-    assert len(args) == 15
-    for i, name in enumerate(["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
-                              "cu_seqlens"]):
-        assert args[i].is_contiguous(), name
+    assert tuple(args) == EXT_ARGUMENTS
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"):
+        assert args[name].is_contiguous() and args[name].data_ptr() % 16 == 0, name
         if name == "dt_bias":
-            assert args[i].shape == (4 * 128,)
+            assert args[name].shape == (4 * 128,)
         else:
-            assert torch.equal(args[i], kw[name]), name
-    assert args[9:] == (0.25, -5.0, True, True, True, True)
+            assert torch.equal(args[name], kw[name]), name
+    assert args["o"].data_ptr() == o.data_ptr() and args["final_state"].data_ptr() == ht.data_ptr()
+    options = {n: args[n] for n in EXT_ARGUMENTS[11:]}
+    assert options == dict(scale=0.25, lower_bound=-5.0, use_gate_in_kernel=True,
+                           use_qk_l2norm_in_kernel=True, state_v_first=True)
     # auto on a Hopper GPU with supported arguments picks the kernel too
-    kw.update(backend="auto", output_final_state=False)
+    kw.update(backend="auto", output_final_state=False, state_layout="kv")
     monkeypatch.setattr(prefill_mod, "_is_sm90", lambda device: True)
     prefill_mod.LAST_BACKEND = None
     o, ht = kda_prefill(**kw)
     assert ht is None and prefill_mod.last_backend() == "sm90"
-    assert calls[-1][9:] == (0.25, -5.0, True, True, True, False)
+    assert calls[-1]["final_state"] is None and calls[-1]["state_v_first"] is False
 
 
 def test_dense_copies_only_misaligned_or_strided_inputs():
     """Inputs reach the kernel contiguous and 16-byte aligned; ordinary tensors are not copied."""
-    from cula.kda.prefill import _dense
+    from cula.kda.op import _dense
 
     base = torch.randn(1 + 4 * 8 * 2 * 16)
     aligned = base[: 4 * 8 * 2 * 16].view(4, 8, 2, 16)

@@ -1,5 +1,7 @@
-// C ABI of the SM90 kernel for callers without torch: the standalone binary and ctypes-based
-// device checks (scripts/sm90_ctypes_check.py) that run a build made on another machine.
+// C ABI of the SM90 kernel for callers without torch: the standalone binary
+// (kda_standalone_main.cu) and anything that loads libcula_kda_sm90.so (e.g. through ctypes).
+// The caller validates its arguments (cula.kda.kda_prefill does for the torch path); the
+// launcher checks only what the kernel relies on.
 #include <cuda_runtime.h>
 
 #include "kda/sm90/kda_prefill_sm90.h"

@@ -11,19 +11,27 @@ and no output is allocated before validation has passed.
 
 The backend that served the most recent call is observable through :func:`last_backend` (also the
 module attribute ``LAST_BACKEND``) and is logged at DEBUG level on the ``cula.kda.prefill`` logger.
+
+After validation, :func:`kda_prefill` allocates the outputs and calls the torch custom op
+``cula::kda_prefill`` (:mod:`cula.kda.op`). Everything before the op is plain Python on shapes,
+dtypes, devices and Python values, written so that ``torch.compile(fullgraph=True)`` traces it
+without a graph break; the one check that would need tensor values on the host (``cu_seqlens`` of
+a CPU tensor) is skipped while compiling.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import numbers
 import os
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+from cula import _ext
+from cula.kda import op as _op  # noqa: F401  (registers torch.ops.cula.kda_prefill)
 
 __all__ = ["kda_prefill", "last_backend", "LAST_BACKEND"]
 
@@ -104,9 +112,16 @@ def _require_rank(name: str, x: Tensor, rank: int, dims: str) -> None:
         raise ValueError(_err(name, f"a {rank}-D tensor {dims}", x))
 
 
-@functools.lru_cache(maxsize=None)
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+
+
+@torch.compiler.assume_constant_result
 def _device_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    """Compute capability of CUDA device ``index`` (cached; a constant for torch.compile)."""
+    cap = _CAPABILITIES.get(index)
+    if cap is None:
+        cap = _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
+    return cap
 
 
 def _is_sm90(device: torch.device) -> bool:
@@ -292,7 +307,10 @@ def _validate_tensors(
                      f"q of shape {tuple(q.shape)} (B={B})", got_is_text=True)
             )
         N = cu_seqlens.shape[0] - 1
-        if cu_seqlens.device.type == "cpu" or os.environ.get(_CHECK_CU_SEQLENS_ENV) == "1":
+        # The values need a host copy: not inside a compiled graph (they are trusted there, as
+        # those of a GPU tensor are by default).
+        if not torch.compiler.is_compiling() and (
+                cu_seqlens.device.type == "cpu" or os.environ.get(_CHECK_CU_SEQLENS_ENV) == "1"):
             _validate_cu_seqlens_values(cu_seqlens, B * T)
 
     # ---- initial_state ---------------------------------------------------------------------
@@ -356,25 +374,73 @@ def _check_sm90_environment(q: Tensor, prefix: str) -> None:
             f"(Hopper), but q is on {q.device} with capability {cap[0]}.{cap[1]}; "
             f"{_USE_REFERENCE_HINT}"
         )
-    from cula._ext import kernels_available, kernels_unavailable_reason
-
-    if not kernels_available():
+    if not _ext.kernels_available():
         raise RuntimeError(
-            f"{prefix}kda_prefill: backend=\"sm90\" is unavailable: {kernels_unavailable_reason()} "
+            f"{prefix}kda_prefill: backend=\"sm90\" is unavailable: {_ext.kernels_unavailable_reason()} "
             f"Or {_USE_REFERENCE_HINT}."
         )
 
 
-def _dense(t: Tensor) -> Tensor:
-    """``t`` as a contiguous tensor whose data starts on a 16-byte boundary.
+class _Plan(NamedTuple):
+    """What validation resolved: the backend to run and the option values the op takes."""
 
-    The fused kernel reads with TMA and vector loads, which need aligned addresses; a contiguous
-    view with an element offset (e.g. ``x[1:]``) is copied rather than read misaligned.
+    backend: str              # "sm90" or "reference"
+    scale: float              # resolved (K ** -0.5 when the caller passed None)
+    lower_bound: float | None
+    num_seqs: int             # N: B, or len(cu_seqlens) - 1
+
+
+def _choose_backend(q: Tensor, v: Tensor, beta: Tensor, safe_gate: bool, backend: str) -> str:
+    """"sm90" or "reference" for a validated call; raises where the request cannot be served."""
+    if backend == "sm90":
+        _check_sm90_arguments(q, v, beta, safe_gate, prefix="")
+        _check_sm90_environment(q, prefix="")
+        return "sm90"
+    if backend == "reference":
+        return "reference"
+    if _is_sm90(q.device):  # auto on Hopper: the fused kernel or an explicit error
+        prefix = 'backend="auto" chose the sm90 kernel on this Hopper GPU, but: '
+        _check_sm90_arguments(q, v, beta, safe_gate, prefix=prefix)
+        _check_sm90_environment(q, prefix=prefix)
+        return "sm90"
+    return "reference"  # auto on CPU or a non-Hopper device
+
+
+def _plan(
+    q: Any, k: Any, v: Any, g: Any, beta: Any,
+    *,
+    scale: Any,
+    initial_state: Any,
+    output_final_state: Any,
+    cu_seqlens: Any,
+    use_qk_l2norm_in_kernel: Any,
+    use_gate_in_kernel: Any,
+    A_log: Any,
+    dt_bias: Any,
+    safe_gate: Any,
+    lower_bound: Any,
+    state_layout: Any,
+    backend: Any,
+) -> _Plan:
+    """Every rule of :func:`kda_prefill`, in one place; raises the documented exceptions.
+
+    Argument-level checks first (they never touch the device or allocate), then the backend's
+    limits, then its device and build requirements. Also the verifier of the FLA backend
+    (:mod:`cula.kda.fla_backend`), so both accept exactly the same calls.
     """
-    t = t.contiguous()
-    if t.data_ptr() % 16 != 0:
-        t = t.clone()
-    return t
+    scale_f, lb = _validate_options(
+        scale=scale, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        safe_gate=safe_gate, lower_bound=lower_bound, state_layout=state_layout, backend=backend,
+    )
+    N = _validate_tensors(
+        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lb, state_layout=state_layout,
+    )
+    if scale_f is None:
+        scale_f = q.shape[3] ** -0.5
+    chosen = _choose_backend(q, v, beta, safe_gate, backend)
+    return _Plan(chosen, scale_f, lb, N)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,11 +518,16 @@ def kda_prefill(
             silently: arguments the kernel does not support raise an error that names them.
             :func:`last_backend` tells which backend served the last call.
 
-    Non-contiguous inputs are copied to contiguous tensors first (one extra copy each); inputs
-    are never modified. Validation happens before anything runs or is allocated: bad arguments
+    Non-contiguous inputs (and, for the sm90 kernel, inputs not 16-byte aligned) are copied to
+    dense tensors first (one extra copy each); inputs are never modified. Validation happens before anything runs or is allocated: bad arguments
     raise ``TypeError``/``ValueError`` naming the argument; arguments outside the sm90 kernel's
     coverage raise ``NotImplementedError``/``TypeError``/``ValueError`` pointing to
     ``backend="reference"``; a missing GPU or extension raises ``RuntimeError``.
+
+    ``torch.compile``: the validation traces, and the work is one call of the custom op
+    ``cula::kda_prefill`` (:mod:`cula.kda.op`), so ``torch.compile(fn, fullgraph=True)`` of a
+    function that calls ``kda_prefill`` compiles to one graph, and CUDA graphs capture it. The
+    values of a CPU ``cu_seqlens`` are not checked inside a compiled function.
 
     Example::
 
@@ -482,68 +553,33 @@ def kda_prefill(
     """
     global LAST_BACKEND
 
-    # 1. argument-level checks: never touch the device, never allocate.
-    scale_f, lb = _validate_options(
-        scale=scale, output_final_state=output_final_state,
+    # 1. every rule, before anything is allocated or launched.
+    plan = _plan(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        safe_gate=safe_gate, lower_bound=lower_bound, state_layout=state_layout, backend=backend,
+        A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
+        state_layout=state_layout, backend=backend,
     )
-    _validate_tensors(
-        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
-        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lb, state_layout=state_layout,
+
+    # 2. the outputs (caller-owned from the op's point of view), then the op.
+    B, T, HV, V = v.shape
+    K = q.shape[3]
+    o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
+    final_state = None
+    if output_final_state:
+        state_shape = (plan.num_seqs, HV, K, V) if state_layout == "kv" else (plan.num_seqs, HV, V, K)
+        final_state = torch.empty(state_shape, dtype=torch.float32, device=q.device)
+    torch.ops.cula.kda_prefill(
+        q, k, v, g, beta, A_log, dt_bias.reshape(-1) if dt_bias is not None else None,
+        initial_state, cu_seqlens, o, final_state,
+        scale=plan.scale, lower_bound=plan.lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_layout=state_layout,
+        backend=plan.backend,
     )
-    if scale_f is None:
-        scale_f = float(q.shape[3]) ** -0.5
 
-    # 2. backend selection: argument limits of the kernel first, then device and build.
-    if backend == "sm90":
-        _check_sm90_arguments(q, v, beta, safe_gate, prefix="")
-        _check_sm90_environment(q, prefix="")
-        chosen = "sm90"
-    elif backend == "reference":
-        chosen = "reference"
-    elif _is_sm90(q.device):  # auto on Hopper: the fused kernel or an explicit error
-        prefix = 'backend="auto" chose the sm90 kernel on this Hopper GPU, but: '
-        _check_sm90_arguments(q, v, beta, safe_gate, prefix=prefix)
-        _check_sm90_environment(q, prefix=prefix)
-        chosen = "sm90"
-    else:  # auto on CPU or a non-Hopper device
-        chosen = "reference"
-
-    # 3. contiguous, 16-byte aligned copies (no-ops for ordinary inputs); the caller's tensors are
-    #    never written.
-    q_c, k_c, v_c, g_c, beta_c = (_dense(t) for t in (q, k, v, g, beta))
-    h0_c = _dense(initial_state) if initial_state is not None else None
-    cu_c = _dense(cu_seqlens) if cu_seqlens is not None else None
-    A_log_c = _dense(A_log) if A_log is not None else None
-    dt_bias_c = _dense(dt_bias.reshape(-1)) if dt_bias is not None else None
-
-    if chosen == "sm90":
-        from cula._ext import get_ext
-
-        outs = get_ext().kda_prefill_sm90(
-            q_c, k_c, v_c, g_c, beta_c, A_log_c, dt_bias_c, h0_c, cu_c,
-            float(scale_f), float(lb if lb is not None else 0.0),
-            bool(use_gate_in_kernel), bool(use_qk_l2norm_in_kernel), state_layout == "vk",
-            bool(output_final_state),
-        )
-        o = outs[0]
-        final_state = outs[1] if output_final_state and len(outs) > 1 else None
-    else:
-        from cula.kda.reference import kda_recurrent_reference
-
-        o_ref, s_ref = kda_recurrent_reference(
-            q_c, k_c, v_c, g_c, beta_c,
-            scale=scale_f, initial_state=h0_c, output_final_state=output_final_state,
-            cu_seqlens=cu_c, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log_c, dt_bias=dt_bias_c,
-            lower_bound=lb, state_layout=state_layout, dtype=torch.float32,
-        )
-        o = o_ref.to(q.dtype)
-        final_state = (s_ref.to(torch.float32)
-                       if output_final_state and s_ref is not None else None)
-
-    LAST_BACKEND = chosen
-    _log.debug("kda_prefill: backend=%s (requested %s) q=%s HV=%d device=%s varlen=%s",
-               chosen, backend, tuple(q.shape), v.shape[2], q.device, cu_seqlens is not None)
+    LAST_BACKEND = plan.backend
+    if not torch.compiler.is_compiling():  # logging is a graph break for the compiler
+        _log.debug("kda_prefill: backend=%s (requested %s) q=%s HV=%d device=%s varlen=%s",
+                   plan.backend, backend, tuple(q.shape), HV, q.device, cu_seqlens is not None)
     return o, final_state

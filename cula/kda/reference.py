@@ -1,6 +1,6 @@
 """Pure-PyTorch references for the KDA (Kimi Delta Attention) prefill forward.
 
-Two functions compute the same thing (docs: DESIGN.md sections 2 and 3):
+Two functions compute the same thing (docs/math.md sections 1 and 2):
 
 * :func:`kda_recurrent_reference` is the **specification**: the token-by-token gated delta rule.
 * :func:`kda_chunked_reference` is the **chunked form** evaluated the way the fused SM90 kernel
@@ -74,7 +74,7 @@ def kda_gate(
     lower_bound: float | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """The in-kernel gate activation (DESIGN section 2, ``use_gate_in_kernel=True``).
+    """The in-kernel gate activation (docs/math.md section 1, ``use_gate_in_kernel=True``).
 
     Turns raw gates into natural-log per-key decays, per value head ``hv``::
 
@@ -260,7 +260,7 @@ def _resolve_scale(scale: float | None, K: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# The specification: token-by-token recurrence (DESIGN section 2)
+# The specification: token-by-token recurrence (docs/math.md section 1)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -283,7 +283,7 @@ def kda_recurrent_reference(
     state_layout: StateLayout = "kv",
     dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor | None]:
-    """KDA forward by the token-by-token recurrence: the specification (DESIGN section 2).
+    """KDA forward by the token-by-token recurrence: the specification (docs/math.md section 1).
 
     Per sequence and value head, with state ``S`` ``[K, V]`` starting at ``initial_state[n]``
     (zeros if None), for each token ``t``::
@@ -354,7 +354,7 @@ def kda_recurrent_reference(
 
 
 # ------------------------------------------------------------------------------------------------
-# The kernel's form: chunked evaluation (DESIGN section 3)
+# The kernel's form: chunked evaluation (docs/math.md section 2)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -414,7 +414,7 @@ def kda_chunked_reference(
     dtype: torch.dtype = torch.float32,
     chunk_size: int = 64,
 ) -> tuple[Tensor, Tensor | None]:
-    """KDA forward in the chunked form the fused SM90 kernel evaluates (DESIGN section 3).
+    """KDA forward in the chunked form the fused SM90 kernel evaluates (docs/math.md section 2).
 
     Same arguments, shapes and return values as :func:`kda_recurrent_reference` (o and
     final_state in the compute ``dtype``), plus ``chunk_size`` (a multiple of 16; the kernel

@@ -39,9 +39,6 @@ struct KdaPrefillParams {
   bool beta_is_bf16 = false;       // beta dtype: bf16 (true) or fp32 (false)
   bool cu_seqlens_is_int64 = false;
   bool state_vk = false;           // state layout: [V, K] per head (true) or [K, V] (false)
-
-  // ---- launch --------------------------------------------------------------------------
-  int device_sm_count = 0;         // 0: query the current device
 };
 
 }  // namespace cula::kda

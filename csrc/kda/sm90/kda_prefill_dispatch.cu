@@ -72,8 +72,6 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   if (p.batch <= 0 || p.seqlen < 0 || p.num_seqs <= 0) return invalid("batch, seqlen, num_seqs out of range");
   if (p.cu_seqlens != nullptr && p.batch != 1) return invalid("cu_seqlens requires batch == 1");
   if (p.cu_seqlens == nullptr && p.num_seqs != p.batch) return invalid("num_seqs must equal batch without cu_seqlens");
-  if (!(p.scale > 0.f)) return invalid("scale must be > 0");
-  if (p.use_gate_in_kernel && !(p.lower_bound < 0.f)) return invalid("lower_bound must be < 0");
   if (p.o == nullptr || p.beta == nullptr) return invalid("null output or beta");
 
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
@@ -107,10 +105,8 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
   int device = 0;
   if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
-  int sm_count = p.device_sm_count;
-  if (sm_count <= 0 &&
-      (err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess)
-    return err;
+  int sm_count = 0;
+  if ((err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
   const char* schedule = std::getenv("CULA_KDA_SCHEDULE");
   const bool force_index = schedule != nullptr && std::strcmp(schedule, "index") == 0;
   const bool force_longest_first = schedule != nullptr && std::strcmp(schedule, "longest_first") == 0;
