@@ -28,12 +28,14 @@ from kda_bench.suite import Config, build_suite, cpu_suite
 from kda_bench.timing import TimingParams, capture_graphs, time_calls, time_graphs
 from kda_bench.util import first_line, log
 
-# Device memory per (token, value head) beyond inputs and outputs: FLA's intermediates (gate
-# cumsum, A_qk/A_kk in fp32, w, u, k_g, v_new, per-chunk states, normalised q/k) and FlashKDA's
-# workspace (per 16-token tile and head: three 16x128 bf16 tiles, a 128-float gate total and two
-# 16x16 bf16 matrices).
-FLA_BYTES_PER_TOKEN_HEAD = 3.5 * 1024
-FLASHKDA_BYTES_PER_TOKEN_HEAD = (3 * 16 * 128 * 2 + 128 * 4 + 2 * 16 * 16 * 2) / 16
+# Device memory per (token, value head) a kernel needs beyond its inputs and outputs: FLA's
+# intermediates (gate cumsum, A_qk/A_kk in fp32, w, u, k_g, v_new, per-chunk states, normalised
+# q/k) and FlashKDA's workspace (per 16-token tile and head: three 16x128 bf16 tiles, a 128-float
+# gate total and two 16x16 bf16 matrices); cula needs none.
+WORKSPACE_BYTES_PER_TOKEN_HEAD = {
+    "fla": 3.5 * 1024,
+    "flashkda": (3 * 16 * 128 * 2 + 128 * 4 + 2 * 16 * 16 * 2) / 16,
+}
 
 
 @dataclass(frozen=True)
@@ -61,16 +63,15 @@ class Machine:
 
 
 def estimate_bytes(cfg: Config, opt: Options, n_sets: int, names: list[str], p: RunParams) -> int:
-    """Device memory a row needs: the input sets (with bf16 beta logits), each kernel's outputs
-    twice (the eager call kept for the check, the graph's), the kernels' intermediates, and the
-    reference slice's budget."""
+    """Peak device memory of a row. Held throughout: the input sets (with bf16 beta logits) and
+    each kernel's eager outputs (kept for the error check). On top, one kernel at a time (they run
+    one after the other): its graph's pool, i.e. outputs plus workspace (its eager workspace is
+    cached but free, and the allocator releases it before failing). Then the reference slice."""
     tok_heads = cfg.B * cfg.T * cfg.HV
     one = input_bytes(cfg, opt) + output_bytes(cfg) + 2 * tok_heads
-    need = n_sets * one + 2 * len(names) * output_bytes(cfg)
-    if "fla" in names:
-        need += int(FLA_BYTES_PER_TOKEN_HEAD * tok_heads)
-    if "flashkda" in names:
-        need += int(2 * FLASHKDA_BYTES_PER_TOKEN_HEAD * tok_heads)  # eager + graph pool
+    transient = max((output_bytes(cfg) + WORKSPACE_BYTES_PER_TOKEN_HEAD.get(nm, 0.0) * tok_heads
+                     for nm in names), default=0.0)
+    need = n_sets * one + len(names) * output_bytes(cfg) + int(transient)
     if p.check:
         need += int(p.check_mem_gib * GIB)
     return need
