@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The whole GPU round on the device machine (Hopper GPU, no network), from the repository root:
-#   wheels   pip install --no-deps the wheels in ./wheels (nvidia-cutlass, fla-core; git-ignored,
-#            so the device call must carry them: carry=["wheels"])
+#   wheels   pip install --no-deps the wheels in ./wheels (nvidia-cutlass, fla-core, einops, and
+#            FlashKDA: flash_kda-*.whl from scripts/build_flashkda.sh if present, else the prebuilt
+#            tokenspeed_flashkda-*.whl; git-ignored, so the device call must carry them:
+#            carry=["wheels"]); env.txt records their versions and whether `import flash_kda`
+#            works with the device's torch
 #   build    MAX_JOBS=16 pip install --no-build-isolation --no-deps -e .   (log: $OUT/build.log)
 #   tests    python -m pytest tests -m gpu_sm90 -v --tb=short              (log: $OUT/gpu_tests.log,
 #            errors of every comparison: $OUT/error_table.md)
@@ -75,23 +78,46 @@ if [[ "${SKIP_WHEELS:-0}" == 1 ]]; then
 else
   stage_begin wheels
   shopt -s nullglob
-  whls=(wheels/nvidia_cutlass-*.whl wheels/fla_core-*.whl)
+  whls=(wheels/nvidia_cutlass-*.whl wheels/fla_core-*.whl wheels/einops-*.whl)
+  # A FlashKDA wheel built from source (scripts/build_flashkda.sh) exists because the prebuilt one
+  # did not load with this torch, so it wins. Installed on its own: the prebuilt wheel is cp312
+  # only, and a refusal must not keep FLA out.
+  fk=(wheels/flash_kda-*.whl)
+  ((${#fk[@]})) || fk=(wheels/tokenspeed_flashkda-*.whl)
   shopt -u nullglob
+  fk_note=""
+  if ((${#fk[@]})) && ! $PY -m pip install -q --no-index --no-deps --no-cache-dir "${fk[@]}"; then
+    fk_note="; WARNING: pip refused ${fk[*]} (FlashKDA columns will say why)"
+  fi
   if ((${#whls[@]} == 0)); then
     record wheels missing $((SECONDS - S0)) "no wheels in ./wheels (carry=[\"wheels\"] in the device call?)"
   elif $PY -m pip install -q --no-index --no-deps --no-cache-dir "${whls[@]}"; then
     if $PY -c 'import einops' 2>/dev/null; then
-      record wheels ok $((SECONDS - S0)) "${whls[*]}"
+      record wheels ok $((SECONDS - S0)) "${whls[*]} ${fk[*]}$fk_note"
     else
-      record wheels ok $((SECONDS - S0)) "${whls[*]}; WARNING: einops missing (fla needs it)"
+      record wheels ok $((SECONDS - S0)) "${whls[*]} ${fk[*]}$fk_note; WARNING: einops missing (fla needs it)"
     fi
-    # env.txt was written before the wheels went in: add the versions they brought.
-    for dist in fla-core nvidia-cutlass; do
-      echo "$dist (after the wheels stage): $($PY -m pip show "$dist" 2>/dev/null | sed -n 's/^Version: //p')"
-    done >>"$OUT/env.txt"
   else
     record wheels FAILED $((SECONDS - S0)) "pip install ${whls[*]}"
   fi
+  # env.txt was written before the wheels went in: add the versions they brought, and whether
+  # FlashKDA's extension loads with this torch (a wheel built against another torch fails here).
+  {
+    for dist in fla-core nvidia-cutlass einops tokenspeed-flashkda flash_kda; do
+      v=$($PY -m pip show "$dist" 2>/dev/null | sed -n 's/^Version: //p')
+      echo "$dist (after the wheels stage): ${v:-not installed}"
+    done
+    $PY - <<'EOF' 2>&1
+import torch
+try:
+    import flash_kda
+    print(f"import flash_kda with torch {torch.__version__}: ok ({flash_kda.__file__})")
+except Exception as exc:
+    first = (str(exc).splitlines() or [""])[0][:300]
+    print(f"import flash_kda with torch {torch.__version__}: FAILED: {type(exc).__name__}: {first}")
+EOF
+  } >>"$OUT/env.txt"
+  grep -E '^(import flash_kda|tokenspeed-flashkda|flash_kda) ' "$OUT/env.txt"
 fi
 
 # --- build ---------------------------------------------------------------------------------------------

@@ -1,0 +1,93 @@
+"""cula's fused SM90 kernel: ``cula.kda.kda_prefill(..., backend="sm90")``."""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from kda_bench.baselines import Baseline
+from kda_bench.inputs import Inputs
+from kda_bench.suite import Config
+from kda_bench.util import first_line
+
+# The dispatch rule of csrc/kda/sm90/kda_prefill_dispatch.cu (constants from kernel_params.cuh),
+# restated so that each row records which tile schedule its time belongs to; the extension does
+# not report the schedule it launched. Keep in step with the C++ when the rule changes.
+SORT_MAX_SEQS = 4096
+LONGEST_FIRST_MAX_MEAN_TOKENS = 320
+SCHEDULE_ENV = "CULA_KDA_SCHEDULE"
+
+
+def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None) -> str:
+    """The tile schedule cula's dispatch picks: "longest-first" (persistent CTAs) when there are
+    more (sequence, value head) tiles than SMs and the mean sequence is short (or
+    ``CULA_KDA_SCHEDULE=longest_first``), else "index" (one CTA per tile); ``forced`` is the
+    value of that variable (read from the environment when None)."""
+    if forced is None:
+        forced = os.environ.get(SCHEDULE_ENV)
+    tiles = cfg.N * cfg.HV
+    short = cfg.B * cfg.T < LONGEST_FIRST_MAX_MEAN_TOKENS * cfg.N
+    longest_first = (forced != "index" and tiles > sm_count and cfg.N <= SORT_MAX_SEQS
+                     and (short or forced == "longest_first"))
+    return "longest-first" if longest_first else "index"
+
+
+class CulaBaseline(Baseline):
+    """The product under test: its failures fail the run."""
+
+    name = "cula"
+    label = "cula"
+    gating = True
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            import cula
+            import cula.kda  # noqa: F401  (the API module: its import errors belong here)
+        except Exception as exc:
+            return False, f"cula could not be imported ({first_line(exc)})"
+        if not cula.kernels_available():
+            return False, (f"the sm90 extension is not built or did not load "
+                           f"({cula.kernels_unavailable_reason()})")
+        if not torch.cuda.is_available():
+            return False, "the sm90 kernel needs an SM90 GPU (torch.cuda.is_available() is False)"
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):
+            return False, (f"the sm90 kernel needs an SM90 GPU; {torch.cuda.get_device_name()} has "
+                           f"compute capability {cap[0]}.{cap[1]}")
+        return True, ""
+
+    def supports(self, cfg: Config) -> tuple[bool, str]:
+        if cfg.D != 128:
+            return False, f"the sm90 kernel needs K = V = 128 (D={cfg.D})"
+        return True, ""
+
+    def prepare(self, x: Inputs) -> Callable[[], Any]:
+        from cula.kda import kda_prefill
+
+        opt = self.opt
+
+        def call() -> Any:
+            return kda_prefill(x.q, x.k, x.v, x.g, x.beta, scale=None, initial_state=x.h0,
+                               output_final_state=True, cu_seqlens=x.cu,
+                               use_qk_l2norm_in_kernel=opt.l2norm,
+                               use_gate_in_kernel=opt.gate_in_kernel, A_log=x.A_log,
+                               dt_bias=x.dt_bias, safe_gate=True,
+                               lower_bound=opt.lower_bound if opt.gate_in_kernel else None,
+                               state_layout=opt.state_layout, backend="sm90")
+        return call
+
+    def row_info(self, cfg: Config, sm_count: int) -> dict[str, Any]:
+        return {"cula_schedule": cula_schedule(cfg, sm_count)}
+
+    def version(self) -> str | None:
+        try:
+            import cula
+        except Exception:
+            return None
+        return str(cula.__version__)
+
+    def meta(self) -> dict[str, Any]:
+        m = super().meta()
+        m["schedule_env"] = os.environ.get(SCHEDULE_ENV)
+        return m
