@@ -9,7 +9,9 @@ length-1 one, 64 and 65 tokens across chunk edges, a 70-token tail), once per ke
 instantiation (gate in kernel / given x l2norm on / off), with both state layouts, both beta
 dtypes, int32 and int64 cu_seqlens, with and without an initial state, and once without the
 final state; then with 70 sequences (lengths 0..130), whose 280 (sequence, head) tiles exceed one
-wave, under both tile schedules (index order, and longest first on persistent CTAs). Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the
+wave, under both tile schedules (index order, and longest first on persistent CTAs); then with
+GPU cu_seqlens holding bad values (decreasing, negative, past the end of the token axis), which the
+kernel must clamp to [0, T] without touching memory outside its tensors (memcheck is the check). Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the
 GPU work that the sanitizer instruments is the copies and the kernel itself.
 
 Exit status: 0 when every call ran on backend "sm90" and matched the fp32 reference (relative L2
@@ -100,6 +102,57 @@ def run_one(gate_in: bool, l2: bool, layout: str, beta_bf16: bool, cu64: bool, w
     return ok
 
 
+# GPU cu_seqlens that no host check sees: decreasing, negative and past-the-end values. The kernel
+# clamps sequence n to [clamp(cu[n], 0, T), clamp(cu[n+1], start, T)] (tile_scheduler.cuh).
+CU_BAD = [0, 50, 30, -10, 500, 120, 7]
+T_BAD = 200
+
+
+def clamped_ranges(cu: list[int], total: int) -> list[tuple[int, int]]:
+    """The token range of each sequence as the kernel reads it from any cu_seqlens values."""
+    out = []
+    for n in range(len(cu) - 1):
+        b = min(max(cu[n], 0), total)
+        out.append((b, min(max(cu[n + 1], b), total)))
+    return out
+
+
+def run_bad_cu_seqlens() -> bool:
+    """Bad GPU cu_seqlens: every clamped sequence that overlaps no other one matches the reference."""
+    bf16 = torch.bfloat16
+    N = len(CU_BAD) - 1
+    q, k = torch.randn(1, T_BAD, H, D), torch.randn(1, T_BAD, H, D)
+    v, g = torch.randn(1, T_BAD, HV, D), torch.randn(1, T_BAD, HV, D)
+    beta = torch.sigmoid(torch.randn(1, T_BAD, HV))
+    common = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0)
+    A_log, dt_bias = 0.1 * torch.randn(HV), 0.1 * torch.randn(HV * D)
+    h0 = 0.1 * torch.randn(N, HV, D, D)
+    cu = torch.tensor(CU_BAD, dtype=torch.int32, device="cuda")  # on the GPU: not validated
+    o, fs = kda_prefill(q.to(bf16).cuda(), k.to(bf16).cuda(), v.to(bf16).cuda(), g.to(bf16).cuda(),
+                        beta.cuda(), initial_state=h0.cuda(), output_final_state=True, cu_seqlens=cu,
+                        A_log=A_log.cuda(), dt_bias=dt_bias.cuda(), safe_gate=True, backend="sm90", **common)
+    torch.cuda.synchronize()
+    o, fs = o.cpu(), fs.cpu()
+    ok = bool(torch.isfinite(fs).all())
+    ranges = clamped_ranges(CU_BAD, T_BAD)
+    for n, (b, e) in enumerate(ranges):
+        if b == e:  # empty after clamping: the final state is the initial state
+            ok &= bool(torch.equal(fs[n], h0[n]))
+            continue
+        overlaps = any(m != n and bm < e and b < em for m, (bm, em) in enumerate(ranges))
+        sl = slice(b, e)
+        ref_o, ref_s = kda_recurrent_reference(
+            q.to(bf16)[:, sl], k.to(bf16)[:, sl], v.to(bf16)[:, sl], g.to(bf16)[:, sl], beta[:, sl],
+            initial_state=h0[n:n + 1], output_final_state=True, A_log=A_log, dt_bias=dt_bias,
+            dtype=torch.float32, **common)
+        es = rel(fs[n:n + 1], ref_s)
+        ok &= es <= RTOL
+        if not overlaps:  # overlapping sequences write the same output rows
+            ok &= rel(o[:, sl], ref_o) <= RTOL
+    print(f"{'ok  ' if ok else 'FAIL'} bad GPU cu_seqlens {CU_BAD} with T={T_BAD} -> clamped {ranges}", flush=True)
+    return ok
+
+
 def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
         print("sanitizer_case: needs an SM90 (Hopper) GPU", file=sys.stderr)
@@ -118,6 +171,7 @@ def main() -> int:
         print(f"sanitizer_case: CULA_KDA_SCHEDULE={schedule}", flush=True)
         results.append(run_one(True, True, "kv", False, False, True, True, cu=CU_MANY))
     del os.environ["CULA_KDA_SCHEDULE"]
+    results.append(run_bad_cu_seqlens())
     print(f"sanitizer_case: {sum(results)}/{len(results)} calls matched the reference", flush=True)
     return 0 if all(results) else 1
 
