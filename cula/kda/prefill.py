@@ -6,8 +6,9 @@ Every argument is validated on the host before anything runs; a bad argument rai
 ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape or value) whose message names
 the argument, what was expected and what came. Backend limits raise ``NotImplementedError`` (an
 argument the reference backend handles but the fused kernel does not) and environment problems
-(no Hopper GPU, extension not built) raise ``RuntimeError``. No caller tensor is ever modified,
-and no output is allocated before validation has passed.
+(no Hopper GPU, extension not built) raise ``RuntimeError``. Caller tensors are modified only
+where the call says so (``out=``, ``final_state=``, and the rows of a state pool named by
+``state_indices`` with ``output_final_state=True``), never before validation has passed.
 
 The backend that served the most recent call is observable through :func:`last_backend` (also the
 module attribute ``LAST_BACKEND``) and is logged at DEBUG level on the ``cula.kda.prefill`` logger.
@@ -15,8 +16,8 @@ module attribute ``LAST_BACKEND``) and is logged at DEBUG level on the ``cula.kd
 After validation, :func:`kda_prefill` allocates the outputs and calls the torch custom op
 ``cula::kda_prefill`` (:mod:`cula.kda.op`). Everything before the op is plain Python on shapes,
 dtypes, devices and Python values, written so that ``torch.compile(fullgraph=True)`` traces it
-without a graph break; the one check that would need tensor values on the host (``cu_seqlens`` of
-a CPU tensor) is skipped while compiling.
+without a graph break; the checks that need tensor values on the host (the values of
+``cu_seqlens`` and ``state_indices``) are skipped while compiling.
 """
 
 from __future__ import annotations
@@ -639,20 +640,52 @@ def kda_prefill(
     * ``g``: ``[B, T, HV, K]``: the per-key log decay (natural log, <= 0), or, with
       ``use_gate_in_kernel=True``, the raw gate input.
     * ``beta``: ``[B, T, HV]``, float32 or bfloat16 (the reference backend also takes q's dtype).
-    * ``initial_state``: float32 ``[N, HV, K, V]`` (``state_layout="kv"``) or ``[N, HV, V, K]``
-      (``"vk"``); ``N`` is ``B``, or ``len(cu_seqlens) - 1`` with ``cu_seqlens``. Zeros if None.
+    * ``initial_state``: float32 or bfloat16 ``[N, HV, K, V]`` (``state_layout="kv"``) or
+      ``[N, HV, V, K]`` (``"vk"``); ``N`` is ``B``, or ``len(cu_seqlens) - 1`` with
+      ``cu_seqlens``. Zeros if None. With ``state_indices`` it is a state pool instead (below).
     * ``cu_seqlens``: int32 or int64 ``[N + 1]`` cumulative sequence offsets of ``N`` sequences
-      packed along T; requires ``B == 1``. Values must start at 0, be non-decreasing and end at
-      ``T``. They are checked on the host when ``cu_seqlens`` is a CPU tensor (or, at the cost of
-      one device sync, when the environment variable ``CULA_CHECK_CU_SEQLENS=1``); values of a
-      GPU ``cu_seqlens`` are otherwise **trusted**: the fused kernel indexes q/k/v/g/beta/o with
-      them, so out-of-range values are undefined behaviour.
+      packed along T; requires ``B == 1``. Values start at 0, are non-decreasing and end at most
+      at ``T``: tokens past ``cu_seqlens[-1]`` (a padded CUDA-graph bucket) get ``o = 0`` and
+      change no state; empty sequences may sit anywhere. Memory safety holds for *any* values:
+      every sequence is clamped to ``[0, T]`` (``begin = clamp(cu[n], 0, T)``,
+      ``end = clamp(cu[n+1], begin, T)``; a negative length is an empty sequence), by the
+      kernel and identically by the reference. Values are checked (``ValueError``) on the host
+      for CPU tensors, and for GPU tensors with ``check_inputs=True`` (one sync).
     * ``A_log``: float32 ``[HV]``; ``dt_bias``: float32 ``[HV * K]`` (``[HV, K]`` is accepted too).
       Only with ``use_gate_in_kernel=True``.
 
-    Returns ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in q's dtype; ``final_state`` is the
-    float32 state after the last token of each sequence, in ``state_layout``
-    (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or ``None`` unless ``output_final_state=True``.
+    Serving arguments (keyword-only):
+
+    * ``state_indices``: int32/int64 ``[N]`` on q's device. ``initial_state`` is then a state
+      **pool** ``[S, HV, K, V]`` / ``[S, HV, V, K]`` (float32 or bfloat16; rows dense and 16-byte
+      aligned, ``stride(0) >= HV*K*V``, e.g. one layer of a larger cache). Sequence ``n`` starts
+      from ``pool[state_indices[n]]`` and, with ``output_final_state=True``, its final state is
+      written back into that row **in place** (rounded to the pool's dtype); the second return
+      value is then the pool itself. An index < 0 is a pad slot: zero initial state, nothing
+      written. Real indices must be < S and distinct (checked like ``cu_seqlens``; trusted
+      out-of-range indices are treated as pad slots by the reference; duplicates are undefined).
+      Reference backend only for now (sm90: ``NotImplementedError``).
+    * ``has_initial_state``: bool ``[N]`` (only with ``state_indices``): False starts sequence
+      ``n`` from zeros instead of its pool row (the row is still written).
+    * ``out``: caller-owned ``o`` (``[B, T, HV, V]``, q's dtype, q's device); returned as is.
+    * ``final_state``: caller-owned final-state buffer (non-pooled only, needs
+      ``output_final_state=True``; float32 or bfloat16 ``[N, HV, K, V]`` / ``[N, HV, V, K]``).
+      Any workspace comes from torch's caching allocator. Buffers must not overlap the inputs.
+    * ``use_beta_sigmoid_in_kernel``: ``beta`` holds logits (float32 or bfloat16); the op uses
+      ``sigmoid(float32(beta))`` (FLA's name). On sm90 the kernel has no flag yet: the op applies
+      the sigmoid in one elementwise pass over ``[B, T, HV]`` before the launch.
+    * ``check_inputs``: ``None`` (default) checks the values of CPU ``cu_seqlens`` /
+      ``state_indices`` and trusts GPU ones (or checks them when ``CULA_CHECK_CU_SEQLENS=1``);
+      ``True`` checks GPU ones too (one host sync: not inside a CUDA graph capture); ``False``
+      trusts all (the kernel's clamping keeps any values memory-safe).
+
+    Returns ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in q's dtype (``out`` when given);
+    ``final_state`` is the state after the last token of each sequence, in ``state_layout``
+    (``[N, HV, K, V]`` or ``[N, HV, V, K]``): the ``final_state`` buffer when given, else a new
+    tensor in ``initial_state``'s dtype (float32 without one); the pool itself with
+    ``state_indices``; ``None`` unless ``output_final_state=True``. States are float32 inside
+    the computation; a bfloat16 state is converted on the way in and out (on sm90 by one copy
+    each, non-pooled only).
 
     Args:
         scale: output scale, finite and > 0; default ``K ** -0.5``.
@@ -674,8 +707,11 @@ def kda_prefill(
             silently: arguments the kernel does not support raise an error that names them.
             :func:`last_backend` tells which backend served the last call.
 
-    Non-contiguous inputs (and, for the sm90 kernel, inputs not 16-byte aligned) are copied to
-    dense tensors first (one extra copy each); inputs are never modified. Validation happens before anything runs or is allocated: bad arguments
+    Strided inputs (e.g. q, k, v, g, beta as views of one fused projection) are accepted on both
+    backends; the reference computes on dense copies, and the sm90 path still copies every
+    non-contiguous or misaligned input to a dense tensor first (one extra copy each; the kernel
+    does not read strided rows yet). With ``cu_seqlens`` the sm90 path zero-fills ``o`` before
+    the launch (the kernel writes only the rows of its sequences). Inputs are never modified. Validation happens before anything runs or is allocated: bad arguments
     raise ``TypeError``/``ValueError`` naming the argument; arguments outside the sm90 kernel's
     coverage raise ``NotImplementedError``/``TypeError``/``ValueError`` pointing to
     ``backend="reference"``; a missing GPU or extension raises ``RuntimeError``.
