@@ -337,8 +337,7 @@ def test_strided_views_of_one_fused_projection(seed) -> None:
     proj = torch.randn(1, T, sum(widths) + 3)  # + 3: row stride not a multiple of anything
     q, k, v, g, beta = torch.split(proj[..., :sum(widths)], widths, dim=-1)
     views = dict(q=q.unflatten(-1, (H, K)), k=k.unflatten(-1, (H, K)), v=v.unflatten(-1, (HV, V)),
-                 g=-g.unflatten(-1, (HV, K)).abs(), beta=beta.sigmoid())
-    views["g"] = proj[..., 2 * H * K + HV * V:2 * H * K + HV * V + HV * K].unflatten(-1, (HV, K))
+                 g=g.unflatten(-1, (HV, K)))  # g: the raw gate (gate in kernel)
     for name in ("q", "k", "v", "g"):
         assert not views[name].is_contiguous() and views[name].stride(-1) == 1, name
     beta_logits = proj[..., sum(widths) - HV:sum(widths)]
@@ -514,7 +513,6 @@ def test_example_steps_match_per_request_reference(seed) -> None:
         packed = {n: serving_step.pack_tokens(plan, [p[n] for p in per])
                   for n in ("q", "k", "v", "g", "beta")}
         idx = torch.tensor(plan.state_indices, dtype=torch.int32)
-        idx_before = pool_gs[slots.scratch].clone()
         args = (packed["q"], packed["k"], packed["v"], packed["g"], packed["beta"])
         cu = torch.tensor(plan.cu_seqlens, dtype=torch.int32)
         has = torch.tensor(plan.has_initial_state)
@@ -523,7 +521,6 @@ def test_example_steps_match_per_request_reference(seed) -> None:
                                                       scratch_row=slots.scratch, backend="reference")
         torch.testing.assert_close(o_gs, o, rtol=1e-6, atol=1e-6)
         assert bool((o[0, plan.num_tokens:] == 0).all())
-        del idx_before
         for r, p, o_r in zip(requests, per, serving_step.unpack_tokens(plan, o)):
             history.setdefault(r.rid, []).append(p)
             outputs.setdefault(r.rid, []).append(o_r)
