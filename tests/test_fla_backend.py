@@ -222,7 +222,7 @@ def test_verifier_positional_arguments(hopper) -> None:
     args = tuple(kw.pop(name) if name in kw else None for name in params[:n])
     with torch.inference_mode():
         assert fla_backend.verify_chunk_kda(*args, **kw) == (True, None)
-        mapped, _ = fla_backend.to_kda_prefill(args, kw)
+        mapped = fla_backend.to_kda_prefill(args, kw)
     assert mapped["initial_state"] is args[params.index("initial_state")]
 
 
@@ -245,19 +245,19 @@ def test_unavailable_without_extension(monkeypatch) -> None:
 
 def test_adapter_passes_tensors_without_copies() -> None:
     kw = _varlen(state_v_first=True, initial_state=torch.zeros(3, 4, D, D), scale=0.2)
-    mapped, beta_logits = fla_backend.to_kda_prefill((), kw)
-    assert not beta_logits
+    mapped = fla_backend.to_kda_prefill((), kw)
+    assert mapped["use_beta_sigmoid_in_kernel"] is False
     for name in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens", "A_log", "dt_bias"):
         assert mapped[name] is kw[name], f"{name} was not passed through as is"
     assert mapped["state_layout"] == "vk" and mapped["scale"] == 0.2
     assert mapped["lower_bound"] == -5.0 and mapped["safe_gate"] and mapped["use_gate_in_kernel"]
     assert "backend" not in mapped
     # gate outside the kernel: FLA ignores A_log, dt_bias and lower_bound, so does the mapping
-    mapped, _ = fla_backend.to_kda_prefill((), _decays(A_log=torch.zeros(4), lower_bound=-5.0))
+    mapped = fla_backend.to_kda_prefill((), _decays(A_log=torch.zeros(4), lower_bound=-5.0))
     assert mapped["A_log"] is None and mapped["dt_bias"] is None and mapped["lower_bound"] is None
 
 
-def test_adapter_applies_beta_sigmoid_for_logits(monkeypatch) -> None:
+def test_adapter_passes_beta_logits_flag_through(monkeypatch) -> None:
     calls: list[dict[str, Any]] = []
 
     def spy(**kw):
@@ -269,11 +269,11 @@ def test_adapter_applies_beta_sigmoid_for_logits(monkeypatch) -> None:
     kw = fla_call(beta=logits, use_beta_sigmoid_in_kernel=True)
     assert fla_backend.run_chunk_kda(**kw) == ("o", "state")
     assert calls[0]["backend"] == "sm90"
-    assert torch.equal(calls[0]["beta"], torch.sigmoid(logits)) and calls[0]["beta"].dtype == logits.dtype
+    assert calls[0]["beta"] is logits and calls[0]["use_beta_sigmoid_in_kernel"] is True
     assert calls[0]["q"] is kw["q"] and calls[0]["g"] is kw["g"]
-    kw = fla_call(beta=logits)  # probabilities: passed as they are
+    kw = fla_call(beta=logits)  # probabilities: passed as they are, flag off
     fla_backend.run_chunk_kda(**kw)
-    assert calls[1]["beta"] is logits
+    assert calls[1]["beta"] is logits and calls[1]["use_beta_sigmoid_in_kernel"] is False
 
 
 def test_fla_dispatch_reaches_cula(monkeypatch, hopper, caplog) -> None:

@@ -34,7 +34,8 @@ def inputs(B: int = 1, T: int = 6, H: int = 2, HV: int = 4, K: int = 8, V: int =
 
 
 def op_args(x: dict, *, N: int | None = None, cu: torch.Tensor | None = None, h0: bool = True,
-            final: bool = True, layout: str = "kv", gate: bool = False, backend: str = "reference"):
+            final: bool = True, layout: str = "kv", gate: bool = False, backend: str = "reference",
+            logits: bool = False):
     """(args, kwargs) of one op call on inputs ``x`` with fresh outputs."""
     B, T, HV, V = x["v"].shape
     K = x["q"].shape[3]
@@ -46,9 +47,11 @@ def op_args(x: dict, *, N: int | None = None, cu: torch.Tensor | None = None, h0
     fs = torch.empty(state, device=dev) if final else None
     A_log = 0.1 * torch.randn(HV, device=dev) if gate else None
     dt_bias = 0.1 * torch.randn(HV * K, device=dev) if gate else None
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], A_log, dt_bias, h, cu, o, fs)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], A_log, dt_bias, h, cu, None, None, o, fs,
+            None)
     kwargs = dict(scale=K ** -0.5, lower_bound=-5.0 if gate else None, use_gate_in_kernel=gate,
-                  use_qk_l2norm_in_kernel=True, state_layout=layout, backend=backend)
+                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=logits,
+                  state_layout=layout, backend=backend)
     return args, kwargs
 
 
@@ -62,11 +65,13 @@ def test_op_schema_names_and_mutations() -> None:
     assert schema.name == "cula::kda_prefill"
     names = [a.name for a in schema.arguments]
     assert names == ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
-                     "o", "final_state", "scale", "lower_bound", "use_gate_in_kernel",
-                     "use_qk_l2norm_in_kernel", "state_layout", "backend"]
+                     "state_indices", "has_initial_state", "o", "final_state", "state_pool",
+                     "scale", "lower_bound", "use_gate_in_kernel", "use_qk_l2norm_in_kernel",
+                     "use_beta_sigmoid_in_kernel", "state_layout", "backend"]
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    assert mutated == ["o", "final_state"]
-    assert all(a.kwarg_only for a in schema.arguments[11:]), "options must be keyword-only"
+    assert mutated == ["o", "final_state", "state_pool"]
+    assert all(a.kwarg_only for a in schema.arguments[14:]), "options must be keyword-only"
+    assert not any(a.kwarg_only for a in schema.arguments[:14]), "tensors must be positional"
     assert len(schema.returns) == 0
 
 
@@ -74,6 +79,7 @@ OPCHECK_CASES = {
     "fixed-kv": dict(),
     "varlen-vk-gate": dict(cu=[0, 0, 2, 6], layout="vk", gate=True),
     "no-h0-no-final": dict(h0=False, final=False),
+    "beta-logits-padded": dict(cu=[0, 2, 4], logits=True),
 }
 
 
@@ -88,11 +94,64 @@ def test_opcheck_reference(case: str, seed: int) -> None:
     torch.library.opcheck(OP, args, kwargs)
 
 
+def make_pool(S: int, HV: int, K: int, V: int, *, layout: str = "kv", dtype=torch.float32,
+              row_pad: int = 0, device: str = "cpu") -> torch.Tensor:
+    """A state pool [S, HV, K, V] ("kv") or [S, HV, V, K] ("vk"); ``row_pad`` extra elements per
+    row make stride(0) larger than HV*K*V (rows stay dense and 16-byte aligned)."""
+    row = HV * K * V
+    base = (0.1 * torch.randn(S, row + row_pad, device=device)).to(dtype)
+    trailing = (HV, K, V) if layout == "kv" else (HV, V, K)
+    return base[:, :row].unflatten(1, trailing)
+
+
+def pooled_op_args(x: dict, *, cu: list[int], indices: list[int], S: int = 5, layout: str = "kv",
+                   write: bool = True, dtype=torch.float32, has_init: list[bool] | None = None,
+                   row_pad: int = 0):
+    """(args, kwargs) of a pooled op call: the pool is ``state_pool`` (written) or
+    ``initial_state`` (read only)."""
+    B, T, HV, V = x["v"].shape
+    K = x["q"].shape[3]
+    pool = make_pool(S, HV, K, V, layout=layout, dtype=dtype, row_pad=row_pad)
+    o = torch.empty(B, T, HV, V, dtype=x["q"].dtype)
+    idx = torch.tensor(indices, dtype=torch.int32)
+    hi = None if has_init is None else torch.tensor(has_init)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, None, None if write else pool,
+            torch.tensor(cu), idx, hi, o, None, pool if write else None)
+    kwargs = dict(scale=K ** -0.5, lower_bound=None, use_gate_in_kernel=False,
+                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=False,
+                  state_layout=layout, backend="reference")
+    return args, kwargs
+
+
+POOLED_OPCHECK_CASES = {
+    "pool-kv-write": dict(cu=[0, 2, 2, 6], indices=[3, -1, 0]),
+    "pool-vk-bf16-padded-rows": dict(cu=[0, 4, 5], indices=[1, 4], layout="vk",
+                                     dtype=torch.bfloat16, row_pad=8, has_init=[False, True]),
+    "pool-read-only": dict(cu=[0, 3, 6], indices=[2, 0], write=False),
+}
+
+
+@pytest.mark.parametrize("case", list(POOLED_OPCHECK_CASES), ids=list(POOLED_OPCHECK_CASES))
+def test_opcheck_reference_pooled(case: str, seed: int) -> None:
+    """opcheck of the pooled call: the pool declared mutated (state_pool) is written in place."""
+    args, kwargs = pooled_op_args(inputs(), **POOLED_OPCHECK_CASES[case])
+    torch.library.opcheck(OP, args, kwargs)
+
+
+def test_op_pooled_writes_only_real_rows(seed: int) -> None:
+    args, kwargs = pooled_op_args(inputs(), cu=[0, 2, 2, 6], indices=[3, -1, 0])
+    pool = args[13]
+    before = pool.clone()
+    torch.ops.cula.kda_prefill(*args, **kwargs)
+    assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]]), "rows of no real slot were written"
+    assert not torch.equal(pool[3], before[3]) and not torch.equal(pool[0], before[0])
+
+
 def test_op_writes_only_its_outputs(seed: int) -> None:
     x = inputs()
     args, kwargs = op_args(x, cu=torch.tensor([0, 3, 6]), layout="vk", gate=True)
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    o, fs = args[9], args[10]
+    o, fs = args[11], args[12]
     o.fill_(float("nan"))
     fs.fill_(float("nan"))
     torch.ops.cula.kda_prefill(*args, **kwargs)
@@ -109,7 +168,7 @@ def test_op_fake_rejects_wrong_output_shape() -> None:
         x = inputs()
         args, kwargs = op_args(x)
         bad = list(args)
-        bad[9] = torch.empty(1, 6, 4, 7)  # o with V=7
+        bad[11] = torch.empty(1, 6, 4, 7)  # o with V=7
         with pytest.raises(RuntimeError, match="o must have"):
             torch.ops.cula.kda_prefill(*bad, **kwargs)
 
@@ -167,6 +226,31 @@ def test_compile_still_raises_validation_errors(seed: int) -> None:
     # fullgraph: Dynamo reports the same ValueError, wrapped (it cannot raise inside a graph)
     with pytest.raises(Exception, match="`beta` must be of shape"):
         torch.compile(model_step, fullgraph=True, backend="aot_eager")(*args)
+
+
+def serving_step(q, k, v, g, beta, pool, cu, idx, A_log, dt_bias):
+    """A model layer's prefill against a state pool: read and write rows of ``pool`` in place."""
+    o, state = kda_prefill(q, k, v, g, beta, initial_state=pool, state_indices=idx,
+                           output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, safe_gate=True,
+                           lower_bound=-5.0, use_beta_sigmoid_in_kernel=True, check_inputs=False)
+    return o.float() * 2, state
+
+
+def test_compile_pooled_no_graph_break_and_matches_eager(seed: int) -> None:
+    q, k, v, g, beta, _, cu, A_log, dt_bias = model_inputs(T=6, cu=[0, 2, 6])
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    pool = make_pool(6, 4, 8, 8)
+    explanation = torch._dynamo.explain(serving_step)(q, k, v, g, beta, pool.clone(), cu, idx,
+                                                      A_log, dt_bias)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(serving_step, fullgraph=True, backend="aot_eager")
+    pool_c, pool_e = pool.clone(), pool.clone()
+    o_c, s_c = compiled(q, k, v, g, beta, pool_c, cu, idx, A_log, dt_bias)
+    o_e, s_e = serving_step(q, k, v, g, beta, pool_e, cu, idx, A_log, dt_bias)
+    assert s_e is pool_e
+    assert torch.equal(o_c, o_e) and torch.equal(pool_c, pool_e)
+    assert not torch.equal(pool_e[4], pool[4]) and torch.equal(pool_e[0], pool[0])
 
 
 # ------------------------------------------------------------------------------------------------

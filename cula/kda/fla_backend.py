@@ -26,9 +26,10 @@ Importing :mod:`cula.kda` registers cula there when fla-core is installed (:func
   ``use_gate_in_kernel=False`` (FLA ignores them there); ``cu_seqlens_cpu``,
   ``disable_recompute``, ``use_graph`` and ``max_num_seqs`` need nothing (the kernel never
   syncs with the host and handles empty sequences); ``chunk_size`` (32 or 64) does not change
-  the result. The one computation it adds: with ``use_beta_sigmoid_in_kernel=True`` beta holds
-  logits, and the kernel reads beta as given, so the adapter passes ``torch.sigmoid(beta)`` (one
-  elementwise pass over ``[B, T, HV]``).
+  the result. ``use_beta_sigmoid_in_kernel`` (beta holds logits) is passed through as it is:
+  :func:`cula.kda.kda_prefill` takes the same flag (its sm90 path applies the sigmoid in fp32
+  in one elementwise pass over ``[B, T, HV]`` until the kernel does it). ``initial_state`` must
+  be float32, as FLA requires (cula would also take bfloat16, and return a bfloat16 state).
 
 Registration does not import FLA: when ``fla.ops.kda.chunk`` is not imported yet, a one-shot
 import hook registers cula right after FLA imports it, so ``import cula.kda`` stays cheap.
@@ -108,12 +109,11 @@ def _named_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     return named
 
 
-def to_kda_prefill(args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+def to_kda_prefill(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Map the arguments of an FLA ``chunk_kda`` call onto :func:`cula.kda.kda_prefill`.
 
-    Returns ``(kda_prefill keyword arguments, beta_logits)``: the keyword arguments hold the
-    caller's tensors as they are (``backend`` not included); ``beta_logits`` says that beta holds
-    logits (``use_beta_sigmoid_in_kernel=True``) and needs a sigmoid first. Raises
+    Returns the kda_prefill keyword arguments: the caller's tensors as they are (``backend`` not
+    included), ``use_beta_sigmoid_in_kernel`` passed through. Raises
     :class:`Unsupported` for an FLA feature that cula does not serve; the kda_prefill arguments
     themselves are validated by the caller (:func:`cula.kda.prefill._plan`).
     """
@@ -135,7 +135,7 @@ def to_kda_prefill(args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, Any],
     chunk_size = take("chunk_size", 64)
     if chunk_size not in _FLA_CHUNK_SIZES:
         raise Unsupported(f"chunk_size must be one of {_FLA_CHUNK_SIZES} (as in FLA), got {chunk_size!r}")
-    beta_logits = bool(take("use_beta_sigmoid_in_kernel", False))
+    beta_logits = take("use_beta_sigmoid_in_kernel", False)
     use_graph = take("use_graph", False)
     max_num_seqs = take("max_num_seqs", None)
     cu_seqlens = take("cu_seqlens", None)
@@ -152,18 +152,22 @@ def to_kda_prefill(args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, Any],
     if not use_gate_in_kernel:  # FLA ignores the gate parameters unless the gate is in the kernel
         A_log = dt_bias = lower_bound = None
 
+    initial_state = take("initial_state")
+    if isinstance(initial_state, torch.Tensor) and initial_state.dtype != torch.float32:
+        raise Unsupported(f"initial_state must be float32 under FLA's chunk_kda, got {initial_state.dtype}")
     mapped = dict(
         q=take("q"), k=take("k"), v=take("v"), g=take("g"), beta=take("beta"),
-        scale=take("scale"), initial_state=take("initial_state"),
+        scale=take("scale"), initial_state=initial_state,
         output_final_state=take("output_final_state", False), cu_seqlens=cu_seqlens,
         use_qk_l2norm_in_kernel=take("use_qk_l2norm_in_kernel", False),
         use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
         safe_gate=take("safe_gate", False), lower_bound=lower_bound,
         state_layout="vk" if (state_v_first or transpose_state_layout) else "kv",
+        use_beta_sigmoid_in_kernel=beta_logits,
     )
     if a:
         raise Unsupported(f"unknown argument(s) {sorted(a)}")
-    return mapped, beta_logits
+    return mapped
 
 
 def _reason(exc: BaseException) -> str:
@@ -187,7 +191,7 @@ def verify_chunk_kda(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
         return False, ("cula runs the forward pass only: call chunk_kda under torch.inference_mode() "
                        "or torch.no_grad()")
     try:
-        mapped, _ = to_kda_prefill(args, kwargs)
+        mapped = to_kda_prefill(args, kwargs)
         _prefill._plan(**mapped, backend="sm90")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as exc:
         return False, _reason(exc)
@@ -200,12 +204,7 @@ def run_chunk_kda(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor
     Returns ``(o, final_state)`` as FLA does: o ``[B, T, HV, V]`` in q's dtype; final_state
     float32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None.
     """
-    mapped, beta_logits = to_kda_prefill(args, kwargs)
-    if beta_logits:
-        # The kernel reads beta as probabilities; FLA passes logits here. One elementwise pass over
-        # [B, T, HV] (the dtype is kept, as kda_prefill accepts it as given).
-        mapped["beta"] = torch.sigmoid(mapped["beta"])
-    return _prefill.kda_prefill(**mapped, backend="sm90")
+    return _prefill.kda_prefill(**to_kda_prefill(args, kwargs), backend="sm90")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -7,16 +7,19 @@ is what ``torch.compile`` sees: an opaque node with a named schema, declared mut
 graph (no graph break) and a CUDA graph can capture it::
 
     cula::kda_prefill(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log,
-                      Tensor? dt_bias, Tensor? initial_state, Tensor? cu_seqlens, Tensor(a!) o,
-                      Tensor(b!)? final_state, *, float scale, float? lower_bound,
-                      bool use_gate_in_kernel, bool use_qk_l2norm_in_kernel, str state_layout,
-                      str backend) -> ()
+                      Tensor? dt_bias, Tensor? initial_state, Tensor? cu_seqlens,
+                      Tensor? state_indices, Tensor? has_initial_state, Tensor(a!) o,
+                      Tensor(b!)? final_state, Tensor(c!)? state_pool, *, float scale,
+                      float? lower_bound, bool use_gate_in_kernel, bool use_qk_l2norm_in_kernel,
+                      bool use_beta_sigmoid_in_kernel, str state_layout, str backend) -> ()
 
 (tensors are positional, as torch.library requires; every option is keyword-only).
 
-The outputs are caller-owned: ``o`` (``[B, T, HV, V]``, q's dtype) and ``final_state``
-(float32 ``[N, HV, K, V]`` for ``state_layout="kv"``, ``[N, HV, V, K]`` for ``"vk"``, or None)
-are written in place, and nothing else is. ``backend`` is ``"sm90"`` (the fused Hopper kernel)
+The outputs are caller-owned: ``o`` (``[B, T, HV, V]``, q's dtype), ``final_state`` (float32
+or bfloat16 ``[N, HV, K, V]`` for ``state_layout="kv"``, ``[N, HV, V, K]`` for ``"vk"``, or
+None) and ``state_pool`` (a state pool ``[S, HV, K, V]`` / ``[S, HV, V, K]`` whose rows
+``state_indices[n] >= 0`` receive the final states in place, or None) are written in place, and
+nothing else is. A pool that is only read (no final states) is passed as ``initial_state``. ``backend`` is ``"sm90"`` (the fused Hopper kernel)
 or ``"reference"`` (the fp32 PyTorch recurrence, any device; CPU included, which is how the op is
 exercised without a GPU).
 
@@ -64,17 +67,40 @@ def _dense_opt(t: Tensor | None) -> Tensor | None:
 def _run_sm90(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
-    cu_seqlens: Tensor | None, o: Tensor, final_state: Tensor | None,
+    cu_seqlens: Tensor | None, state_indices: Tensor | None, has_initial_state: Tensor | None,
+    o: Tensor, final_state: Tensor | None, state_pool: Tensor | None,
     scale: float, lower_bound: float | None, use_gate_in_kernel: bool,
-    use_qk_l2norm_in_kernel: bool, state_layout: str,
+    use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, state_layout: str,
 ) -> None:
-    """The fused kernel on the current stream of q's device; inputs made dense first."""
-    # Outputs the kernel cannot write directly (strided or misaligned: possible only when the op
-    # is called with such buffers) are produced in a dense buffer and copied in.
+    """The fused kernel on the current stream of q's device; inputs made dense first.
+
+    What this layer adds around the kernel today (each documented in ``kda_prefill``):
+
+    * strided or misaligned inputs are copied to dense tensors (the kernel reads dense rows);
+    * ``use_beta_sigmoid_in_kernel``: ``beta = sigmoid(float32(beta))``, one elementwise pass
+      over ``[B, T, HV]`` (the kernel has no flag for it yet);
+    * a bfloat16 ``initial_state`` / ``final_state`` (non-pooled) is converted to / from the
+      float32 state the kernel reads and writes (one copy each);
+    * with ``cu_seqlens``, ``o`` is zero-filled first: the kernel writes only the rows of its
+      sequences, and rows past ``cu_seqlens[-1]`` (padded buckets) must read 0.
+    """
+    if state_indices is not None or has_initial_state is not None or state_pool is not None:
+        # kda_prefill raises NotImplementedError for these before the op; a direct op call too.
+        raise NotImplementedError(
+            f"{OP_NAME}: the sm90 kernel has no state pool (state_indices) yet; "
+            'use backend="reference"')
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.to(torch.float32))
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        initial_state = initial_state.to(torch.float32)
+    # Outputs the kernel cannot write directly (strided or misaligned, or a bf16 final state) are
+    # produced in a dense float32 / dense buffer and copied in.
     o_k = o if _is_dense(o) else torch.empty(o.shape, dtype=o.dtype, device=o.device)
+    if cu_seqlens is not None:
+        o_k.zero_()
     fs_k = final_state
-    if final_state is not None and not _is_dense(final_state):
-        fs_k = torch.empty(final_state.shape, dtype=final_state.dtype, device=final_state.device)
+    if final_state is not None and (not _is_dense(final_state) or final_state.dtype != torch.float32):
+        fs_k = torch.empty(final_state.shape, dtype=torch.float32, device=final_state.device)
     _ext.get_ext().kda_prefill_sm90(
         q=_dense(q), k=_dense(k), v=_dense(v), g=_dense(g), beta=_dense(beta),
         A_log=_dense_opt(A_log), dt_bias=_dense_opt(dt_bias),
@@ -92,22 +118,49 @@ def _run_sm90(
 def _run_reference(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
-    cu_seqlens: Tensor | None, o: Tensor, final_state: Tensor | None,
+    cu_seqlens: Tensor | None, state_indices: Tensor | None, has_initial_state: Tensor | None,
+    o: Tensor, final_state: Tensor | None, state_pool: Tensor | None,
     scale: float, lower_bound: float | None, use_gate_in_kernel: bool,
-    use_qk_l2norm_in_kernel: bool, state_layout: str,
+    use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, state_layout: str,
 ) -> None:
     """The fp32 token-by-token recurrence (any device), written into the outputs.
 
-    Inputs are made contiguous first, so strided inputs give bitwise the same result.
+    Inputs are made contiguous first, so strided inputs give bitwise the same result. With a
+    state pool, the rows of the real slots are gathered (zeros for pad slots, indices outside
+    ``[0, S)`` and ``has_initial_state`` False), the recurrence runs on the gathered states, and
+    the final states are written back into the same pool rows in place (real slots only). The
+    indices and cu_seqlens are read on the host, so this path syncs and cannot be captured in a
+    CUDA graph: it is the specification, not a serving path.
     """
     from cula.kda.reference import kda_recurrent_reference
 
     def c(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.contiguous()
 
+    pool = state_pool if state_pool is not None else (
+        initial_state if state_indices is not None else None)
+    h0 = initial_state
+    real: list[int] = []
+    rows: list[int] = []
+    if pool is not None:
+        assert state_indices is not None
+        idx = [int(i) for i in state_indices.tolist()]
+        S = pool.shape[0]
+        real = [n for n, i in enumerate(idx) if 0 <= i < S]   # pad slots: i < 0 (or >= S)
+        rows = [idx[n] for n in real]
+        starts = [True] * len(idx) if has_initial_state is None else [
+            bool(b) for b in has_initial_state.tolist()]
+        read = [n for n in real if starts[n]]
+        h0 = torch.zeros((len(idx),) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
+        if read:
+            h0[read] = pool[[idx[n] for n in read]].to(torch.float32)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.to(torch.float32))
+
+    want_state = final_state is not None or state_pool is not None
     o_ref, s_ref = kda_recurrent_reference(
         c(q), c(k), c(v), c(g), c(beta),
-        scale=scale, initial_state=c(initial_state), output_final_state=final_state is not None,
+        scale=scale, initial_state=c(h0), output_final_state=want_state,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, A_log=c(A_log), dt_bias=c(dt_bias),
         lower_bound=lower_bound, state_layout=state_layout, dtype=torch.float32,
@@ -115,12 +168,14 @@ def _run_reference(
     o.copy_(o_ref)
     if final_state is not None:
         final_state.copy_(s_ref)
+    if state_pool is not None and real:
+        state_pool[rows] = s_ref[real].to(state_pool.dtype)   # in place, real slots only
 
 
 _BACKENDS = {"sm90": _run_sm90, "reference": _run_reference}
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=("o", "final_state"))
+@torch.library.custom_op(OP_NAME, mutates_args=("o", "final_state", "state_pool"))
 def kda_prefill_op(
     q: Tensor,
     k: Tensor,
@@ -131,50 +186,78 @@ def kda_prefill_op(
     dt_bias: Tensor | None,
     initial_state: Tensor | None,
     cu_seqlens: Tensor | None,
+    state_indices: Tensor | None,
+    has_initial_state: Tensor | None,
     o: Tensor,
     final_state: Tensor | None,
+    state_pool: Tensor | None,
     *,
     scale: float,
     lower_bound: float | None,
     use_gate_in_kernel: bool,
     use_qk_l2norm_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
     state_layout: str,
     backend: str,
 ) -> None:
     """KDA prefill forward into caller-owned outputs (validated arguments only).
 
-    Shapes (B batch, T tokens, H q/k heads, HV value heads, K = V head dims, N sequences):
-    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``;
-    A_log ``[HV]`` and dt_bias ``[HV * K]`` (float32, gate in kernel only); initial_state and
-    final_state float32 ``[N, HV, K, V]`` (``state_layout="kv"``) or ``[N, HV, V, K]`` (``"vk"``);
-    cu_seqlens int32/int64 ``[N + 1]`` (B == 1); o ``[B, T, HV, V]`` in q's dtype.
+    Shapes (B batch, T tokens, H q/k heads, HV value heads, K = V head dims, N sequences, S pool
+    rows): q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``;
+    A_log ``[HV]`` and dt_bias ``[HV * K]`` (float32, gate in kernel only); cu_seqlens
+    int32/int64 ``[N + 1]`` (B == 1); o ``[B, T, HV, V]`` in q's dtype. States (float32 or
+    bfloat16) are ``[., HV, K, V]`` (``state_layout="kv"``) or ``[., HV, V, K]`` (``"vk"``):
 
-    Writes o and (when given) final_state; returns nothing. ``scale`` is the resolved scale (no
-    default here); ``lower_bound`` None selects the softplus gate (reference backend only).
+    * without ``state_indices``: initial_state and final_state ``[N, ...]`` (either may be None);
+    * with ``state_indices`` (int32/int64 ``[N]``, ``< 0`` = pad slot) the pool ``[S, ...]`` is
+      ``state_pool`` when the final states are written back into it (mutated in place), else
+      ``initial_state`` (read only); final_state is None. ``has_initial_state`` (bool ``[N]``,
+      optional) marks the sequences that start from zeros (False) instead of their pool row.
+
+    Writes o, final_state and the real rows of state_pool; returns nothing. ``scale`` is the
+    resolved scale (no default here); ``lower_bound`` None selects the softplus gate (reference
+    backend only); ``use_beta_sigmoid_in_kernel``: beta holds logits.
     """
     _BACKENDS[backend](
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, final_state,
-        scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel, state_layout,
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_indices,
+        has_initial_state, o, final_state, state_pool,
+        scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel, state_layout,
     )
+
+
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @kda_prefill_op.register_fake
 def _kda_prefill_fake(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
-    cu_seqlens: Tensor | None, o: Tensor, final_state: Tensor | None, *,
+    cu_seqlens: Tensor | None, state_indices: Tensor | None, has_initial_state: Tensor | None,
+    o: Tensor, final_state: Tensor | None, state_pool: Tensor | None, *,
     scale: float, lower_bound: float | None, use_gate_in_kernel: bool,
-    use_qk_l2norm_in_kernel: bool, state_layout: str, backend: str,
+    use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, state_layout: str,
+    backend: str,
 ) -> None:
     """Shapes and dtypes only: the outputs are the caller's, so nothing is allocated. Checks that
     they are exactly what the op writes (``o``: v's shape in q's dtype; ``final_state``: float32
-    ``[N, HV, K, V]`` or ``[N, HV, V, K]``)."""
+    or bfloat16 ``[N, HV, K, V]`` / ``[N, HV, V, K]``; ``state_pool``: ``[S, HV, K, V]`` /
+    ``[S, HV, V, K]`` with ``state_indices``)."""
     torch._check(o.shape == v.shape and o.dtype == q.dtype,
                  lambda: f"{OP_NAME}: o must have v's shape {tuple(v.shape)} and q's dtype {q.dtype}")
+    N = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    K, V, HV = q.shape[3], v.shape[3], v.shape[2]
+    trailing = (HV, K, V) if state_layout == "kv" else (HV, V, K)
     if final_state is not None:
-        N = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        K, V = q.shape[3], v.shape[3]
-        want = (N, v.shape[2], K, V) if state_layout == "kv" else (N, v.shape[2], V, K)
-        torch._check(tuple(final_state.shape) == want and final_state.dtype == torch.float32,
-                     lambda: f"{OP_NAME}: final_state must be float32 of shape {want}")
+        want = (N,) + trailing
+        torch._check(tuple(final_state.shape) == want and final_state.dtype in _STATE_DTYPES,
+                     lambda: f"{OP_NAME}: final_state must be float32 or bfloat16 of shape {want}")
+    if state_pool is not None:
+        torch._check(state_indices is not None and final_state is None,
+                     lambda: f"{OP_NAME}: state_pool needs state_indices and no final_state")
+        torch._check(tuple(state_pool.shape[1:]) == trailing and state_pool.dtype in _STATE_DTYPES,
+                     lambda: f"{OP_NAME}: state_pool must be float32 or bfloat16 [S, *{trailing}]")
+    if state_indices is not None:
+        torch._check(tuple(state_indices.shape) == (N,),
+                     lambda: f"{OP_NAME}: state_indices must have shape ({N},)")
     return None

@@ -6,8 +6,9 @@ Every argument is validated on the host before anything runs; a bad argument rai
 ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape or value) whose message names
 the argument, what was expected and what came. Backend limits raise ``NotImplementedError`` (an
 argument the reference backend handles but the fused kernel does not) and environment problems
-(no Hopper GPU, extension not built) raise ``RuntimeError``. No caller tensor is ever modified,
-and no output is allocated before validation has passed.
+(no Hopper GPU, extension not built) raise ``RuntimeError``. Caller tensors are modified only
+where the call says so (``out=``, ``final_state=``, and the rows of a state pool named by
+``state_indices`` with ``output_final_state=True``), never before validation has passed.
 
 The backend that served the most recent call is observable through :func:`last_backend` (also the
 module attribute ``LAST_BACKEND``) and is logged at DEBUG level on the ``cula.kda.prefill`` logger.
@@ -15,8 +16,8 @@ module attribute ``LAST_BACKEND``) and is logged at DEBUG level on the ``cula.kd
 After validation, :func:`kda_prefill` allocates the outputs and calls the torch custom op
 ``cula::kda_prefill`` (:mod:`cula.kda.op`). Everything before the op is plain Python on shapes,
 dtypes, devices and Python values, written so that ``torch.compile(fullgraph=True)`` traces it
-without a graph break; the one check that would need tensor values on the host (``cu_seqlens`` of
-a CPU tensor) is skipped while compiling.
+without a graph break; the checks that need tensor values on the host (the values of
+``cu_seqlens`` and ``state_indices``) are skipped while compiling.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ _SAFE_GATE_MIN = -5.0  # safe_gate promises every log decay lies in [-5, 0)
 _SM90_HEAD_DIM = 128
 _SM90_CAPABILITY = (9, 0)
 _CHECK_CU_SEQLENS_ENV = "CULA_CHECK_CU_SEQLENS"
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+_ALIGN = 16  # bytes
 _USE_REFERENCE_HINT = 'pass backend="reference" to run the (slow) PyTorch reference instead'
 
 
@@ -132,8 +135,9 @@ def _is_sm90(device: torch.device) -> bool:
 
 
 def _validate_cu_seqlens_values(cu_seqlens: Tensor, total: int) -> None:
-    """Check that cu_seqlens starts at 0, never decreases and ends at ``total`` (host copy)."""
-    values = cu_seqlens.detach().to(device="cpu", dtype=torch.int64)
+    """Check that cu_seqlens starts at 0, never decreases and ends at most at ``total`` (tokens
+    past its last value are the padding of a bucket). ``cu_seqlens``: int64 on the host."""
+    values = cu_seqlens
     if int(values[0]) != 0:
         raise ValueError(
             _err("cu_seqlens", "a tensor whose first value is 0", f"first value {int(values[0])}",
@@ -148,10 +152,10 @@ def _validate_cu_seqlens_values(cu_seqlens: Tensor, total: int) -> None:
                  f"cu_seqlens[{i}]={int(values[i])} > cu_seqlens[{i + 1}]={int(values[i + 1])}",
                  got_is_text=True)
         )
-    if int(values[-1]) != total:
+    if int(values[-1]) > total:
         raise ValueError(
-            _err("cu_seqlens", f"a tensor whose last value is the token count B*T={total}",
-                 f"last value {int(values[-1])}", got_is_text=True)
+            _err("cu_seqlens", f"a tensor whose last value is at most the token count T={total} "
+                 "(tokens past it are padding)", f"last value {int(values[-1])}", got_is_text=True)
         )
 
 
@@ -170,6 +174,8 @@ def _validate_options(
     lower_bound: Any,
     state_layout: Any,
     backend: Any,
+    use_beta_sigmoid_in_kernel: Any,
+    check_inputs: Any,
 ) -> tuple[float | None, float | None]:
     """Non-tensor arguments. Returns (scale or None, lower_bound or None) as floats."""
     if not isinstance(backend, str) or backend not in _BACKENDS:
@@ -180,6 +186,9 @@ def _validate_options(
     _require_bool("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel)
     _require_bool("use_gate_in_kernel", use_gate_in_kernel)
     _require_bool("safe_gate", safe_gate)
+    _require_bool("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel)
+    if check_inputs is not None:
+        _require_bool("check_inputs", check_inputs)
 
     scale_f: float | None = None
     if scale is not None:
@@ -214,12 +223,17 @@ def _validate_options(
 def _validate_tensors(
     q: Any, k: Any, v: Any, g: Any, beta: Any,
     initial_state: Any, cu_seqlens: Any, A_log: Any, dt_bias: Any,
+    state_indices: Any, has_initial_state: Any, out: Any, final_state: Any,
     *,
     use_gate_in_kernel: bool,
     lower_bound: float | None,
     state_layout: str,
+    output_final_state: bool,
+    check_inputs: bool | None,
 ) -> int:
-    """Tensor arguments: kinds, ranks, shapes, dtypes, devices. Returns N (number of sequences)."""
+    """Tensor arguments: kinds, ranks, shapes, dtypes, devices, and (where the host can see them
+    without a sync, or ``check_inputs=True``) the values of cu_seqlens and state_indices.
+    Returns N (number of sequences)."""
     q = _require_tensor("q", q)
     k = _require_tensor("k", k)
     v = _require_tensor("v", v)
@@ -229,6 +243,10 @@ def _validate_tensors(
     cu_seqlens = _require_optional_tensor("cu_seqlens", cu_seqlens)
     A_log = _require_optional_tensor("A_log", A_log)
     dt_bias = _require_optional_tensor("dt_bias", dt_bias)
+    state_indices = _require_optional_tensor("state_indices", state_indices)
+    has_initial_state = _require_optional_tensor("has_initial_state", has_initial_state)
+    out = _require_optional_tensor("out", out)
+    final_state = _require_optional_tensor("final_state", final_state)
 
     # ---- ranks and shapes ----------------------------------------------------------------
     _require_rank("q", q, 4, "[B, T, H, K]")
@@ -290,7 +308,9 @@ def _validate_tensors(
 
     # ---- devices ---------------------------------------------------------------------------
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-                    ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias)):
+                    ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias),
+                    ("state_indices", state_indices), ("has_initial_state", has_initial_state),
+                    ("out", out), ("final_state", final_state)):
         if t is not None and t.device != q.device:
             raise ValueError(_err(name, f"on the same device as q ({q.device})", t))
 
@@ -307,29 +327,140 @@ def _validate_tensors(
                      f"q of shape {tuple(q.shape)} (B={B})", got_is_text=True)
             )
         N = cu_seqlens.shape[0] - 1
-        # The values need a host copy: not inside a compiled graph (they are trusted there, as
-        # those of a GPU tensor are by default).
-        if not torch.compiler.is_compiling() and (
-                cu_seqlens.device.type == "cpu" or os.environ.get(_CHECK_CU_SEQLENS_ENV) == "1"):
-            _validate_cu_seqlens_values(cu_seqlens, B * T)
 
-    # ---- initial_state ---------------------------------------------------------------------
-    if initial_state is not None:
-        trailing = (K, V) if state_layout == "kv" else (V, K)
-        dims = "[N, HV, K, V]" if state_layout == "kv" else "[N, HV, V, K]"
-        expected_shape = (N, HV) + trailing
-        if initial_state.shape != expected_shape:
-            raise ValueError(
-                _err("initial_state", f"of shape {dims} = {expected_shape} for "
-                     f'state_layout="{state_layout}" (N = number of sequences)', initial_state)
-            )
-        if initial_state.dtype != torch.float32:
-            raise TypeError(_err("initial_state", "float32", initial_state))
+    # ---- out ---------------------------------------------------------------------------------
+    if out is not None:
+        if out.shape != (B, T, HV, V):
+            raise ValueError(_err("out", f"of shape [B, T, HV, V] = {(B, T, HV, V)} (the shape of o)",
+                                  out))
+        if out.dtype != q.dtype:
+            raise TypeError(_err("out", f"of q's dtype ({q.dtype}), the dtype of o", out))
+
+    # ---- states: a pool indexed by state_indices, or one state per sequence -----------------
+    trailing = (HV, K, V) if state_layout == "kv" else (HV, V, K)
+    dims = "HV, K, V" if state_layout == "kv" else "HV, V, K"
+    if state_indices is not None:
+        if state_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(_err("state_indices", "an int32 or int64 tensor", state_indices))
+        if state_indices.shape != (N,):
+            raise ValueError(_err("state_indices", f"a 1-D tensor [N] = ({N},) (one pool row per "
+                                  "sequence, < 0 for a pad slot)", state_indices))
+        if initial_state is None:
+            raise ValueError(_err("initial_state", "the state pool [S, " + dims + "] when "
+                                  "state_indices is given", initial_state))
+        if final_state is not None:
+            raise ValueError(_err("final_state", "None when state_indices is given (the final "
+                                  "states are written into the pool, initial_state, in place)",
+                                  final_state))
+        if initial_state.dim() != 4 or initial_state.shape[0] < 1 or initial_state.shape[1:] != trailing:
+            raise ValueError(_err("initial_state", f"a state pool of shape [S, {dims}] = "
+                                  f"[S, {', '.join(map(str, trailing))}] with S >= 1 for "
+                                  f'state_layout="{state_layout}"', initial_state))
+        if initial_state.dtype not in _STATE_DTYPES:
+            raise TypeError(_err("initial_state", "a float32 or bfloat16 state pool", initial_state))
+        row = trailing[0] * trailing[1] * trailing[2]
+        inner = (trailing[1] * trailing[2], trailing[2], 1)
+        item = initial_state.element_size()
+        if (tuple(initial_state.stride()[1:]) != inner or initial_state.stride(0) < row
+                or (initial_state.stride(0) * item) % _ALIGN != 0
+                or (not torch.compiler.is_compiling()
+                    and initial_state.data_ptr() % _ALIGN != 0)):
+            raise ValueError(_err(
+                "initial_state", f"a state pool whose rows are dense (strides (s0, {inner[0]}, "
+                f"{inner[1]}, 1) with s0 >= {row}) and 16-byte aligned (data pointer and "
+                f"s0 * {item} bytes multiples of 16)",
+                f"strides {tuple(initial_state.stride())}, data pointer % 16 = "
+                f"{initial_state.data_ptr() % _ALIGN}", got_is_text=True))  # not compiling
+        if has_initial_state is not None:
+            if has_initial_state.dtype != torch.bool:
+                raise TypeError(_err("has_initial_state", "a bool tensor", has_initial_state))
+            if has_initial_state.shape != (N,):
+                raise ValueError(_err("has_initial_state", f"a 1-D tensor [N] = ({N},)",
+                                      has_initial_state))
+    else:
+        if has_initial_state is not None:
+            raise ValueError(_err("has_initial_state", "None unless state_indices is given (it "
+                                  "selects, per pool slot, zeros instead of the pool row)",
+                                  has_initial_state))
+        expected_shape = (N,) + trailing
+        if initial_state is not None:
+            if initial_state.shape != expected_shape:
+                raise ValueError(
+                    _err("initial_state", f"of shape [N, {dims}] = {expected_shape} for "
+                         f'state_layout="{state_layout}" (N = number of sequences)', initial_state)
+                )
+            if initial_state.dtype not in _STATE_DTYPES:
+                raise TypeError(_err("initial_state", "float32 or bfloat16", initial_state))
+        if final_state is not None:
+            if not output_final_state:
+                raise ValueError(_err("final_state", "None unless output_final_state=True (it is "
+                                      "the buffer the final states are written to)", final_state))
+            if final_state.shape != expected_shape:
+                raise ValueError(
+                    _err("final_state", f"of shape [N, {dims}] = {expected_shape} for "
+                         f'state_layout="{state_layout}" (N = number of sequences)', final_state)
+                )
+            if final_state.dtype not in _STATE_DTYPES:
+                raise TypeError(_err("final_state", "float32 or bfloat16", final_state))
+
+    # ---- values of cu_seqlens and state_indices (a host copy: one sync for GPU tensors) ------
+    # CPU tensors are checked by default; GPU tensors with check_inputs=True (or the environment
+    # variable CULA_CHECK_CU_SEQLENS=1); nothing with check_inputs=False; nothing inside a
+    # compiled graph (the values are trusted there; the kernel clamps every sequence to [0, T]).
+    if not torch.compiler.is_compiling() and (cu_seqlens is not None or state_indices is not None):
+        if check_inputs is None:
+            check = q.device.type == "cpu" or os.environ.get(_CHECK_CU_SEQLENS_ENV) == "1"
+        else:
+            check = check_inputs
+        if check:
+            _validate_index_values(cu_seqlens, state_indices, T,
+                                   initial_state.shape[0] if state_indices is not None else 0)
     return N
 
 
-def _check_sm90_arguments(q: Tensor, v: Tensor, beta: Tensor, safe_gate: bool, prefix: str) -> None:
+def _validate_index_values(cu_seqlens: Tensor | None, state_indices: Tensor | None, T: int,
+                           pool_rows: int) -> None:
+    """Values of cu_seqlens (0 first, non-decreasing, last <= T) and state_indices (< pool_rows,
+    no real index twice), from one host copy of both."""
+    parts = [t.detach().reshape(-1).to(torch.int64) for t in (cu_seqlens, state_indices)
+             if t is not None]
+    host = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()
+    n_cu = 0 if cu_seqlens is None else cu_seqlens.shape[0]
+    if cu_seqlens is not None:
+        _validate_cu_seqlens_values(host[:n_cu], T)
+    if state_indices is not None:
+        idx = host[n_cu:]
+        over = torch.nonzero(idx >= pool_rows)
+        if over.numel() > 0:
+            n = int(over[0, 0])
+            raise ValueError(_err(
+                "state_indices", f"pool row indices < S = {pool_rows} (the pool's first dim), or "
+                "< 0 for a pad slot", f"state_indices[{n}] = {int(idx[n])}", got_is_text=True))
+        real = idx[idx >= 0]
+        uniq, counts = torch.unique(real, return_counts=True)
+        if bool((counts > 1).any()):
+            row = int(uniq[counts > 1][0])
+            seqs = torch.nonzero(idx == row).reshape(-1).tolist()
+            raise ValueError(_err(
+                "state_indices", "free of duplicated real indices (each pool row is read and "
+                "written by at most one sequence)",
+                f"pool row {row} for sequences {seqs}", got_is_text=True))
+
+
+def _check_sm90_arguments(q: Tensor, v: Tensor, beta: Tensor, safe_gate: bool, pooled: bool,
+                          has_initial_state: bool, prefix: str) -> None:
     """Argument-level limits of the fused kernel (no device queries)."""
+    if pooled:
+        raise NotImplementedError(
+            f"{prefix}kda_prefill: `state_indices` (a state pool read and written in place by "
+            "index) is not supported by the sm90 kernel yet; gather the rows into a dense "
+            "initial_state yourself, or " + _USE_REFERENCE_HINT
+        )
+    if has_initial_state:
+        raise NotImplementedError(
+            f"{prefix}kda_prefill: `has_initial_state` is not supported by the sm90 kernel yet; "
+            + _USE_REFERENCE_HINT
+        )
     if not safe_gate:
         raise NotImplementedError(
             f"{prefix}kda_prefill: `safe_gate` must be True for the sm90 kernel, got False. The "
@@ -388,19 +519,22 @@ class _Plan(NamedTuple):
     scale: float              # resolved (K ** -0.5 when the caller passed None)
     lower_bound: float | None
     num_seqs: int             # N: B, or len(cu_seqlens) - 1
+    pooled: bool              # state_indices given: initial_state is a pool written in place
+    state_dtype: torch.dtype  # dtype of a final state kda_prefill allocates (non-pooled)
 
 
-def _choose_backend(q: Tensor, v: Tensor, beta: Tensor, safe_gate: bool, backend: str) -> str:
+def _choose_backend(q: Tensor, v: Tensor, beta: Tensor, safe_gate: bool, pooled: bool,
+                    has_initial_state: bool, backend: str) -> str:
     """"sm90" or "reference" for a validated call; raises where the request cannot be served."""
     if backend == "sm90":
-        _check_sm90_arguments(q, v, beta, safe_gate, prefix="")
+        _check_sm90_arguments(q, v, beta, safe_gate, pooled, has_initial_state, prefix="")
         _check_sm90_environment(q, prefix="")
         return "sm90"
     if backend == "reference":
         return "reference"
     if _is_sm90(q.device):  # auto on Hopper: the fused kernel or an explicit error
         prefix = 'backend="auto" chose the sm90 kernel on this Hopper GPU, but: '
-        _check_sm90_arguments(q, v, beta, safe_gate, prefix=prefix)
+        _check_sm90_arguments(q, v, beta, safe_gate, pooled, has_initial_state, prefix=prefix)
         _check_sm90_environment(q, prefix=prefix)
         return "sm90"
     return "reference"  # auto on CPU or a non-Hopper device
@@ -421,6 +555,12 @@ def _plan(
     lower_bound: Any,
     state_layout: Any,
     backend: Any,
+    state_indices: Any = None,
+    has_initial_state: Any = None,
+    out: Any = None,
+    final_state: Any = None,
+    use_beta_sigmoid_in_kernel: Any = False,
+    check_inputs: Any = None,
 ) -> _Plan:
     """Every rule of :func:`kda_prefill`, in one place; raises the documented exceptions.
 
@@ -432,15 +572,25 @@ def _plan(
         scale=scale, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         safe_gate=safe_gate, lower_bound=lower_bound, state_layout=state_layout, backend=backend,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, check_inputs=check_inputs,
     )
     N = _validate_tensors(
         q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+        state_indices, has_initial_state, out, final_state,
         use_gate_in_kernel=use_gate_in_kernel, lower_bound=lb, state_layout=state_layout,
+        output_final_state=output_final_state, check_inputs=check_inputs,
     )
     if scale_f is None:
         scale_f = q.shape[3] ** -0.5
-    chosen = _choose_backend(q, v, beta, safe_gate, backend)
-    return _Plan(chosen, scale_f, lb, N)
+    pooled = state_indices is not None
+    chosen = _choose_backend(q, v, beta, safe_gate, pooled, has_initial_state is not None, backend)
+    if final_state is not None:
+        state_dtype = final_state.dtype
+    elif initial_state is not None and not pooled:
+        state_dtype = initial_state.dtype
+    else:
+        state_dtype = torch.float32
+    return _Plan(chosen, scale_f, lb, N, pooled, state_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,6 +616,13 @@ def kda_prefill(
     lower_bound: float | None = None,
     state_layout: StateLayout = "kv",
     backend: Backend = "auto",
+    *,
+    state_indices: Tensor | None = None,
+    has_initial_state: Tensor | None = None,
+    out: Tensor | None = None,
+    final_state: Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    check_inputs: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA (Kimi Delta Attention) prefill forward.
 
@@ -483,20 +640,52 @@ def kda_prefill(
     * ``g``: ``[B, T, HV, K]``: the per-key log decay (natural log, <= 0), or, with
       ``use_gate_in_kernel=True``, the raw gate input.
     * ``beta``: ``[B, T, HV]``, float32 or bfloat16 (the reference backend also takes q's dtype).
-    * ``initial_state``: float32 ``[N, HV, K, V]`` (``state_layout="kv"``) or ``[N, HV, V, K]``
-      (``"vk"``); ``N`` is ``B``, or ``len(cu_seqlens) - 1`` with ``cu_seqlens``. Zeros if None.
+    * ``initial_state``: float32 or bfloat16 ``[N, HV, K, V]`` (``state_layout="kv"``) or
+      ``[N, HV, V, K]`` (``"vk"``); ``N`` is ``B``, or ``len(cu_seqlens) - 1`` with
+      ``cu_seqlens``. Zeros if None. With ``state_indices`` it is a state pool instead (below).
     * ``cu_seqlens``: int32 or int64 ``[N + 1]`` cumulative sequence offsets of ``N`` sequences
-      packed along T; requires ``B == 1``. Values must start at 0, be non-decreasing and end at
-      ``T``. They are checked on the host when ``cu_seqlens`` is a CPU tensor (or, at the cost of
-      one device sync, when the environment variable ``CULA_CHECK_CU_SEQLENS=1``); values of a
-      GPU ``cu_seqlens`` are otherwise **trusted**: the fused kernel indexes q/k/v/g/beta/o with
-      them, so out-of-range values are undefined behaviour.
+      packed along T; requires ``B == 1``. Values start at 0, are non-decreasing and end at most
+      at ``T``: tokens past ``cu_seqlens[-1]`` (a padded CUDA-graph bucket) get ``o = 0`` and
+      change no state; empty sequences may sit anywhere. Memory safety holds for *any* values:
+      every sequence is clamped to ``[0, T]`` (``begin = clamp(cu[n], 0, T)``,
+      ``end = clamp(cu[n+1], begin, T)``; a negative length is an empty sequence), by the
+      kernel and identically by the reference. Values are checked (``ValueError``) on the host
+      for CPU tensors, and for GPU tensors with ``check_inputs=True`` (one sync).
     * ``A_log``: float32 ``[HV]``; ``dt_bias``: float32 ``[HV * K]`` (``[HV, K]`` is accepted too).
       Only with ``use_gate_in_kernel=True``.
 
-    Returns ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in q's dtype; ``final_state`` is the
-    float32 state after the last token of each sequence, in ``state_layout``
-    (``[N, HV, K, V]`` or ``[N, HV, V, K]``), or ``None`` unless ``output_final_state=True``.
+    Serving arguments (keyword-only):
+
+    * ``state_indices``: int32/int64 ``[N]`` on q's device. ``initial_state`` is then a state
+      **pool** ``[S, HV, K, V]`` / ``[S, HV, V, K]`` (float32 or bfloat16; rows dense and 16-byte
+      aligned, ``stride(0) >= HV*K*V``, e.g. one layer of a larger cache). Sequence ``n`` starts
+      from ``pool[state_indices[n]]`` and, with ``output_final_state=True``, its final state is
+      written back into that row **in place** (rounded to the pool's dtype); the second return
+      value is then the pool itself. An index < 0 is a pad slot: zero initial state, nothing
+      written. Real indices must be < S and distinct (checked like ``cu_seqlens``; trusted
+      out-of-range indices are treated as pad slots by the reference; duplicates are undefined).
+      Reference backend only for now (sm90: ``NotImplementedError``).
+    * ``has_initial_state``: bool ``[N]`` (only with ``state_indices``): False starts sequence
+      ``n`` from zeros instead of its pool row (the row is still written).
+    * ``out``: caller-owned ``o`` (``[B, T, HV, V]``, q's dtype, q's device); returned as is.
+    * ``final_state``: caller-owned final-state buffer (non-pooled only, needs
+      ``output_final_state=True``; float32 or bfloat16 ``[N, HV, K, V]`` / ``[N, HV, V, K]``).
+      Any workspace comes from torch's caching allocator. Buffers must not overlap the inputs.
+    * ``use_beta_sigmoid_in_kernel``: ``beta`` holds logits (float32 or bfloat16); the op uses
+      ``sigmoid(float32(beta))`` (FLA's name). On sm90 the kernel has no flag yet: the op applies
+      the sigmoid in one elementwise pass over ``[B, T, HV]`` before the launch.
+    * ``check_inputs``: ``None`` (default) checks the values of CPU ``cu_seqlens`` /
+      ``state_indices`` and trusts GPU ones (or checks them when ``CULA_CHECK_CU_SEQLENS=1``);
+      ``True`` checks GPU ones too (one host sync: not inside a CUDA graph capture); ``False``
+      trusts all (the kernel's clamping keeps any values memory-safe).
+
+    Returns ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in q's dtype (``out`` when given);
+    ``final_state`` is the state after the last token of each sequence, in ``state_layout``
+    (``[N, HV, K, V]`` or ``[N, HV, V, K]``): the ``final_state`` buffer when given, else a new
+    tensor in ``initial_state``'s dtype (float32 without one); the pool itself with
+    ``state_indices``; ``None`` unless ``output_final_state=True``. States are float32 inside
+    the computation; a bfloat16 state is converted on the way in and out (on sm90 by one copy
+    each, non-pooled only).
 
     Args:
         scale: output scale, finite and > 0; default ``K ** -0.5``.
@@ -518,8 +707,11 @@ def kda_prefill(
             silently: arguments the kernel does not support raise an error that names them.
             :func:`last_backend` tells which backend served the last call.
 
-    Non-contiguous inputs (and, for the sm90 kernel, inputs not 16-byte aligned) are copied to
-    dense tensors first (one extra copy each); inputs are never modified. Validation happens before anything runs or is allocated: bad arguments
+    Strided inputs (e.g. q, k, v, g, beta as views of one fused projection) are accepted on both
+    backends; the reference computes on dense copies, and the sm90 path still copies every
+    non-contiguous or misaligned input to a dense tensor first (one extra copy each; the kernel
+    does not read strided rows yet). With ``cu_seqlens`` the sm90 path zero-fills ``o`` before
+    the launch (the kernel writes only the rows of its sequences). Inputs are never modified. Validation happens before anything runs or is allocated: bad arguments
     raise ``TypeError``/``ValueError`` naming the argument; arguments outside the sm90 kernel's
     coverage raise ``NotImplementedError``/``TypeError``/``ValueError`` pointing to
     ``backend="reference"``; a missing GPU or extension raises ``RuntimeError``.
@@ -559,22 +751,32 @@ def kda_prefill(
         output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
-        state_layout=state_layout, backend=backend,
+        state_layout=state_layout, backend=backend, state_indices=state_indices,
+        has_initial_state=has_initial_state, out=out, final_state=final_state,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, check_inputs=check_inputs,
     )
 
     # 2. the outputs (caller-owned from the op's point of view), then the op.
     B, T, HV, V = v.shape
     K = q.shape[3]
-    o = torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
-    final_state = None
-    if output_final_state:
-        state_shape = (plan.num_seqs, HV, K, V) if state_layout == "kv" else (plan.num_seqs, HV, V, K)
-        final_state = torch.empty(state_shape, dtype=torch.float32, device=q.device)
+    o = out if out is not None else torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
+    state_pool = None
+    if plan.pooled:
+        # The pool is read by index; with output_final_state it is also written (in place).
+        if output_final_state:
+            state_pool, initial_state = initial_state, None
+        result_state = state_pool
+    else:
+        if output_final_state and final_state is None:
+            state_shape = (plan.num_seqs, HV, K, V) if state_layout == "kv" else (plan.num_seqs, HV, V, K)
+            final_state = torch.empty(state_shape, dtype=plan.state_dtype, device=q.device)
+        result_state = final_state
     torch.ops.cula.kda_prefill(
         q, k, v, g, beta, A_log, dt_bias.reshape(-1) if dt_bias is not None else None,
-        initial_state, cu_seqlens, o, final_state,
+        initial_state, cu_seqlens, state_indices, has_initial_state, o, final_state, state_pool,
         scale=plan.scale, lower_bound=plan.lower_bound, use_gate_in_kernel=use_gate_in_kernel,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_layout=state_layout,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_layout=state_layout,
         backend=plan.backend,
     )
 
@@ -582,4 +784,4 @@ def kda_prefill(
     if not torch.compiler.is_compiling():  # logging is a graph break for the compiler
         _log.debug("kda_prefill: backend=%s (requested %s) q=%s HV=%d device=%s varlen=%s",
                    plan.backend, backend, tuple(q.shape), HV, q.device, cu_seqlens is not None)
-    return o, final_state
+    return o, result_state

@@ -28,8 +28,12 @@ Shapes (B batch, T tokens, H q/k heads, HV value heads, K key dim, V value dim, 
     final_state    [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk")
 
 Without ``cu_seqlens``, ``N == B`` and every batch row is one sequence of length T. With
-``cu_seqlens`` (``[N + 1]``, int32 or int64, ``B == 1``, ``cu_seqlens[0] == 0``,
-``cu_seqlens[-1] == T``), sequence ``n`` is tokens ``cu_seqlens[n] : cu_seqlens[n + 1]``.
+``cu_seqlens`` (``[N + 1]``, int32 or int64, ``B == 1``, normally ``cu_seqlens[0] == 0``,
+non-decreasing, ``cu_seqlens[-1] <= T``), sequence ``n`` is tokens
+``cu_seqlens[n] : cu_seqlens[n + 1]``; tokens past ``cu_seqlens[-1]`` (a padded bucket) belong to
+no sequence and get ``o = 0``. The values are not validated here (``kda_prefill`` does that):
+every sequence is clamped to ``[0, T]`` exactly as the fused kernel does
+(:func:`sequence_ranges`), a negative length is an empty sequence.
 
 Every input is converted to the compute dtype (``dtype``, float32 by default) first; l2norm and
 the gate activation are then evaluated in that dtype, and **o and final_state are returned in the
@@ -50,6 +54,7 @@ __all__ = [
     "l2norm",
     "kda_recurrent_reference",
     "kda_chunked_reference",
+    "sequence_ranges",
 ]
 
 StateLayout = Literal["kv", "vk"]
@@ -141,6 +146,25 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
+def sequence_ranges(cu_seqlens: Tensor, T: int) -> list[tuple[int, int]]:
+    """Token range ``[begin, end)`` of every sequence of ``cu_seqlens``, clamped like the kernel.
+
+    The fused kernel's ``seq_range`` (``csrc/kda/sm90/tile_scheduler.cuh``), in Python: sequence
+    ``n`` is ``begin = clamp(cu[n], 0, T)``, ``end = clamp(cu[n + 1], begin, T)``. Valid
+    ``cu_seqlens`` (0 = cu[0] <= cu[1] <= ... <= cu[N] <= T) are returned unchanged; any other
+    values stay inside ``[0, T]`` and a negative length is an empty sequence. Tokens covered by no
+    sequence (``cu[N] < T``: a padded bucket) are outputs of zero and touch no state. Ranges of
+    invalid ``cu_seqlens`` may overlap; an ``o`` row written by two sequences is then undefined
+    (the states are still each sequence's own).
+    """
+    cu = [int(c) for c in cu_seqlens.reshape(-1).tolist()]
+    out = []
+    for a, b in zip(cu, cu[1:]):
+        begin = min(max(a, 0), T)
+        out.append((begin, min(max(b, begin), T)))
+    return out
+
+
 class _Prepared:
     """Inputs flattened to tokens, converted to the compute dtype, with q/k expanded to HV heads.
 
@@ -197,13 +221,11 @@ class _Prepared:
         else:
             if B != 1:
                 raise ValueError(f"{name}: with cu_seqlens the batch size must be 1, got B={B}")
-            cu = [int(c) for c in cu_seqlens.reshape(-1).tolist()]
-            if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-                raise ValueError(
-                    f"{name}: cu_seqlens must be non-decreasing, start at 0 and end at T={T}, got {cu}"
-                )
-            bos = cu[:-1]
-            lens = [b - a for a, b in zip(cu, cu[1:])]
+            ranges = sequence_ranges(cu_seqlens, T)
+            if not ranges:
+                raise ValueError(f"{name}: cu_seqlens must have N + 1 >= 2 entries, got {cu_seqlens.numel()}")
+            bos = [b for b, _ in ranges]
+            lens = [e - b for b, e in ranges]
         N = len(lens)
 
         dev = q.device

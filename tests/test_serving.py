@@ -1,0 +1,648 @@
+"""The serving contract of cula.kda.kda_prefill (issue 13), on CPU with the reference backend.
+
+State pool by index (both layouts, fp32/bf16, padded row stride, pad slots, has_initial_state),
+caller-owned ``out=``/``final_state=`` buffers, padded buckets, cu_seqlens clamped like the
+kernel (and ``check_inputs``), strided inputs from one fused projection, raw beta logits, bf16
+states, the sm90 backend's explicit refusals, and the bookkeeping of ``examples/serving_step.py``.
+Every result is compared with the plain recurrence (``kda_recurrent_reference``) run on the
+gathered inputs. GPU tests (``gpu_sm90``): CUDA-graph buckets replayed with new lengths/indices.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from cula.kda import kda_prefill
+from cula.kda import prefill as prefill_mod
+from cula.kda.reference import kda_recurrent_reference, sequence_ranges
+
+_EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "serving_step.py"
+_spec = importlib.util.spec_from_file_location("serving_step", _EXAMPLE)
+serving_step = importlib.util.module_from_spec(_spec)
+sys.modules["serving_step"] = serving_step  # dataclasses look their module up
+_spec.loader.exec_module(serving_step)
+
+H, HV, K, V = 2, 4, 8, 8
+
+
+def inputs(T: int, dtype=torch.float32, device="cpu") -> dict[str, torch.Tensor]:
+    return dict(q=torch.randn(1, T, H, K, device=device).to(dtype),
+                k=torch.randn(1, T, H, K, device=device).to(dtype),
+                v=torch.randn(1, T, HV, V, device=device).to(dtype),
+                g=(-torch.rand(1, T, HV, K, device=device)).to(dtype),
+                beta=torch.rand(1, T, HV, device=device))
+
+
+def make_pool(S: int, layout: str = "kv", dtype=torch.float32, row_pad: int = 0) -> torch.Tensor:
+    row = HV * K * V
+    base = (0.3 * torch.randn(S, row + row_pad)).to(dtype)
+    return base[:, :row].unflatten(1, (HV, K, V) if layout == "kv" else (HV, V, K))
+
+
+def gathered_reference(x, pool, cu, idx, has_init=None, layout="kv", **opts):
+    """The plain recurrence on the gathered states; returns (o, expected pool after the call)."""
+    N = len(idx)
+    h0 = torch.zeros((N,) + tuple(pool.shape[1:]))
+    for n, i in enumerate(idx):
+        if 0 <= i < pool.shape[0] and (has_init is None or has_init[n]):
+            h0[n] = pool[i].float()
+    o, s = kda_recurrent_reference(**x, initial_state=h0, output_final_state=True,
+                                   cu_seqlens=torch.tensor(cu), state_layout=layout, **opts)
+    want = pool.clone()
+    for n, i in enumerate(idx):
+        if 0 <= i < pool.shape[0]:
+            want[i] = s[n].to(pool.dtype)
+    return o, want
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. state pool by index
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("row_pad", [0, 8], ids=["dense", "padded-stride"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_pool_read_and_written_in_place(layout, dtype, row_pad, idx_dtype, seed) -> None:
+    T, S = 11, 6
+    cu = [0, 4, 4, 5, 11, 11]                # an empty sequence, a length-1 (decode) row
+    idx = [3, -1, 0, 5, -7]                 # pad slots (-1, any negative)
+    has = [True, True, False, True, True]   # sequence 2 starts from zeros, still writes row 0
+    x = inputs(T)
+    pool = make_pool(S, layout, dtype, row_pad)
+    assert pool.stride(0) == HV * K * V + row_pad
+    o_ref, want = gathered_reference(x, pool, cu, idx, has, layout, use_qk_l2norm_in_kernel=True)
+    data_ptr = pool.data_ptr()
+    o, state = kda_prefill(**x, initial_state=pool, state_indices=torch.tensor(idx, dtype=idx_dtype),
+                           has_initial_state=torch.tensor(has), output_final_state=True,
+                           cu_seqlens=torch.tensor(cu), use_qk_l2norm_in_kernel=True,
+                           state_layout=layout, backend="reference")
+    assert state is pool and pool.data_ptr() == data_ptr, "the returned state must be the pool"
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool[[1, 2, 4]], want[[1, 2, 4]]), "rows of no real slot changed"
+    torch.testing.assert_close(pool.float(), want.float(), rtol=1e-5, atol=1e-5)
+    if dtype == torch.bfloat16:
+        assert pool.dtype == torch.bfloat16
+
+
+def test_pool_read_only_without_output_final_state(seed) -> None:
+    x = inputs(7)
+    pool = make_pool(4)
+    before = pool.clone()
+    o_ref, _ = gathered_reference(x, pool, [0, 3, 7], [2, 0])
+    o, state = kda_prefill(**x, initial_state=pool, state_indices=torch.tensor([2, 0]),
+                           cu_seqlens=torch.tensor([0, 3, 7]), backend="reference")
+    assert state is None and torch.equal(pool, before)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pool_fixed_length_batch(seed) -> None:
+    """state_indices without cu_seqlens: N = B."""
+    x = {n: torch.cat([t, t.flip(1)]) for n, t in inputs(5).items()}  # B = 2
+    pool = make_pool(3)
+    want = pool.clone()
+    o, _ = kda_prefill(**x, initial_state=pool, state_indices=torch.tensor([2, -1]),
+                       output_final_state=True, backend="reference")
+    o_ref, s_ref = kda_recurrent_reference(**x, initial_state=torch.stack([want[2], torch.zeros_like(want[0])]),
+                                           output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[2], s_ref[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool[:2], want[:2])
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. caller-owned buffers
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_out_and_final_state_buffers(state_dtype, seed) -> None:
+    x = inputs(6)
+    h0 = 0.3 * torch.randn(2, HV, V, K)
+    out = torch.full((1, 6, HV, V), float("nan"))
+    fs = torch.full((2, HV, V, K), float("nan"), dtype=state_dtype)
+    o, s = kda_prefill(**x, initial_state=h0, output_final_state=True, cu_seqlens=torch.tensor([0, 2, 6]),
+                       state_layout="vk", out=out, final_state=fs, backend="reference")
+    assert o is out and s is fs
+    o_ref, s_ref = kda_recurrent_reference(**x, initial_state=h0, output_final_state=True,
+                                           cu_seqlens=torch.tensor([0, 2, 6]), state_layout="vk")
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fs, s_ref.to(state_dtype))
+
+
+BAD_BUFFERS = {
+    "out-shape": (dict(out=torch.zeros(1, 6, HV, V + 1)), ValueError, "out"),
+    "out-dtype": (dict(out=torch.zeros(1, 6, HV, V, dtype=torch.bfloat16)), TypeError, "out"),
+    "out-device": (dict(out=torch.empty(1, 6, HV, V, device="meta")), ValueError, "out"),
+    "out-list": (dict(out=[0.0]), TypeError, "out"),
+    "final_state-shape": (dict(final_state=torch.zeros(3, HV, K, V), output_final_state=True),
+                          ValueError, "final_state"),
+    "final_state-layout": (dict(final_state=torch.zeros(2, HV, V, K + 1), output_final_state=True),
+                           ValueError, "final_state"),
+    "final_state-dtype": (dict(final_state=torch.zeros(2, HV, K, V, dtype=torch.float16),
+                               output_final_state=True), TypeError, "final_state"),
+    "final_state-without-output": (dict(final_state=torch.zeros(2, HV, K, V)), ValueError,
+                                   "final_state"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BUFFERS), ids=list(BAD_BUFFERS))
+def test_bad_buffers_rejected_nothing_written(case) -> None:
+    over, exc, name = BAD_BUFFERS[case]
+    x = inputs(6)
+    kw = dict(x, cu_seqlens=torch.tensor([0, 2, 6]), backend="reference", **over)
+    snap = {n: t.clone() for n, t in kw.items() if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    with pytest.raises(exc) as info:
+        kda_prefill(**kw)
+    assert type(info.value) is exc and f"`{name}`" in str(info.value)
+    for n, t in snap.items():
+        assert torch.equal(kw[n], t), f"{n} was written"
+
+
+def pool_call(**over: Any) -> dict[str, Any]:
+    kw = dict(inputs(6), initial_state=make_pool(4), state_indices=torch.tensor([1, -1, 3]),
+              cu_seqlens=torch.tensor([0, 2, 2, 6]), output_final_state=True, backend="reference")
+    kw.update(over)
+    return kw
+
+
+BAD_POOL = {
+    "indices-float": (lambda: pool_call(state_indices=torch.tensor([1.0, -1.0, 3.0])), TypeError,
+                      "state_indices"),
+    "indices-int16": (lambda: pool_call(state_indices=torch.tensor([1, -1, 3], dtype=torch.int16)),
+                      TypeError, "state_indices"),
+    "indices-shape": (lambda: pool_call(state_indices=torch.tensor([1, 3])), ValueError, "state_indices"),
+    "indices-2d": (lambda: pool_call(state_indices=torch.tensor([[1, -1, 3]])), ValueError,
+                   "state_indices"),
+    "indices-list": (lambda: pool_call(state_indices=[1, -1, 3]), TypeError, "state_indices"),
+    "indices-out-of-range": (lambda: pool_call(state_indices=torch.tensor([1, -1, 4])), ValueError,
+                             "state_indices"),
+    "indices-duplicated": (lambda: pool_call(state_indices=torch.tensor([3, -1, 3])), ValueError,
+                           "state_indices"),
+    "indices-without-pool": (lambda: pool_call(initial_state=None), ValueError, "initial_state"),
+    "pool-shape": (lambda: pool_call(initial_state=torch.zeros(4, HV, K, V + 1)), ValueError,
+                   "initial_state"),
+    "pool-layout": (lambda: pool_call(initial_state=torch.zeros(4, HV, K, V * 2),
+                                      state_layout="vk"), ValueError, "initial_state"),
+    "pool-rank": (lambda: pool_call(initial_state=torch.zeros(HV, K, V)), ValueError, "initial_state"),
+    "pool-dtype": (lambda: pool_call(initial_state=torch.zeros(4, HV, K, V, dtype=torch.float16)),
+                   TypeError, "initial_state"),
+    "pool-rows-not-dense": (lambda: pool_call(initial_state=torch.zeros(4, HV, V, K).transpose(2, 3)),
+                            ValueError, "initial_state"),
+    "pool-row-stride-misaligned": (lambda: pool_call(initial_state=make_pool(4, row_pad=1)),
+                                   ValueError, "initial_state"),
+    "pool-with-final_state": (lambda: pool_call(final_state=torch.zeros(3, HV, K, V)), ValueError,
+                              "final_state"),
+    "has_initial_state-int": (lambda: pool_call(has_initial_state=torch.ones(3, dtype=torch.int32)),
+                              TypeError, "has_initial_state"),
+    "has_initial_state-shape": (lambda: pool_call(has_initial_state=torch.ones(2, dtype=torch.bool)),
+                                ValueError, "has_initial_state"),
+    "has_initial_state-without-indices": (
+        lambda: pool_call(state_indices=None, initial_state=torch.zeros(3, HV, K, V),
+                          has_initial_state=torch.ones(3, dtype=torch.bool)),
+        ValueError, "has_initial_state"),
+    "check_inputs-int": (lambda: pool_call(check_inputs=1), TypeError, "check_inputs"),
+    "beta-sigmoid-flag-str": (lambda: pool_call(use_beta_sigmoid_in_kernel="yes"), TypeError,
+                              "use_beta_sigmoid_in_kernel"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_POOL), ids=list(BAD_POOL))
+def test_bad_pool_arguments_rejected_nothing_written(case) -> None:
+    build, exc, name = BAD_POOL[case]
+    kw = build()
+    snap = {n: t.clone() for n, t in kw.items() if isinstance(t, torch.Tensor)}
+    with pytest.raises(exc) as info:
+        kda_prefill(**kw)
+    assert type(info.value) is exc and f"`{name}`" in str(info.value), str(info.value)
+    for n, t in snap.items():
+        assert torch.equal(kw[n], t), f"{n} was written"
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. padded buckets, 4. cu_seqlens of any value
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cu", [[0, 3, 7], [0, 0, 5, 5], [0, 1, 2], [0, 0]], ids=str)
+def test_padded_bucket(cu, seed) -> None:
+    T = 10
+    x = inputs(T)
+    h0 = 0.3 * torch.randn(len(cu) - 1, HV, K, V)
+    out = torch.full((1, T, HV, V), float("nan"))
+    o, s = kda_prefill(**x, initial_state=h0, output_final_state=True,
+                       cu_seqlens=torch.tensor(cu), out=out, backend="reference")
+    real = cu[-1]
+    assert torch.equal(o[:, real:], torch.zeros_like(o[:, real:])), "padding rows must be 0"
+    # the same call on the real tokens only, and with garbage in the padding: the same results
+    o_r, s_r = kda_recurrent_reference(**{n: t[:, :real] for n, t in x.items()}, initial_state=h0,
+                                       output_final_state=True, cu_seqlens=torch.tensor(cu))
+    torch.testing.assert_close(o[:, :real], o_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, s_r, rtol=1e-5, atol=1e-5)
+    junk = {n: t.clone() for n, t in x.items()}
+    for t in junk.values():
+        t[:, real:] = 1e4
+    o_j, s_j = kda_prefill(**junk, initial_state=h0, output_final_state=True,
+                           cu_seqlens=torch.tensor(cu), backend="reference")
+    assert torch.equal(o_j, o) and torch.equal(s_j, s), "padding tokens changed a result"
+
+
+GARBAGE_CU = {
+    "negative-start": [-5, 3, 7],
+    "decreasing": [0, 6, 2, 9],
+    "past-T": [0, 4, 25, 40],
+    "negative-length": [0, 5, 3, 3],
+    "all-negative": [-9, -4, -1],
+    "huge": [0, 2**31 - 1, 3],
+}
+
+
+@pytest.mark.parametrize("case", list(GARBAGE_CU), ids=list(GARBAGE_CU))
+def test_garbage_cu_seqlens_clamped_like_the_kernel(case, seed) -> None:
+    T = 9
+    cu = GARBAGE_CU[case]
+    x = inputs(T)
+    N = len(cu) - 1
+    h0 = 0.3 * torch.randn(N, HV, K, V)
+    kw = dict(x, initial_state=h0, output_final_state=True, backend="reference")
+    cu_t = torch.tensor(cu, dtype=torch.int64)
+    with pytest.raises(ValueError, match="`cu_seqlens`"):
+        kda_prefill(**kw, cu_seqlens=cu_t)                      # CPU: checked by default
+    with pytest.raises(ValueError, match="`cu_seqlens`"):
+        kda_prefill(**kw, cu_seqlens=cu_t, check_inputs=True)
+    o, s = kda_prefill(**kw, cu_seqlens=cu_t, check_inputs=False)  # trusted: clamped
+    # the kernel's seq_range: begin = clamp(cu[n], 0, T), end = clamp(cu[n+1], begin, T)
+    ranges = []
+    for n in range(N):
+        b = min(max(cu[n], 0), T)
+        ranges.append((b, min(max(cu[n + 1], b), T)))
+    assert sequence_ranges(cu_t, T) == ranges
+    covered = torch.zeros(T, dtype=torch.int64)
+    for b, e in ranges:
+        covered[b:e] += 1
+    for n, (b, e) in enumerate(ranges):
+        seq = {name: t[:, b:e] for name, t in x.items()}
+        o_n, s_n = kda_recurrent_reference(**seq, initial_state=h0[n:n + 1], output_final_state=True)
+        torch.testing.assert_close(s[n], s_n[0], rtol=1e-5, atol=1e-5)  # empty: h0 unchanged
+        once = covered[b:e] == 1                                    # rows of one sequence only
+        torch.testing.assert_close(o[0, b:e][once], o_n[0][once], rtol=1e-5, atol=1e-5)
+    assert torch.equal(o[0, covered == 0], torch.zeros_like(o[0, covered == 0]))
+
+
+def test_trusted_out_of_range_indices_are_pad_slots(seed) -> None:
+    """check_inputs=False with an index >= S: read as zeros, nothing written (memory safety)."""
+    x = inputs(6)
+    pool = make_pool(3)
+    before = pool.clone()
+    o, _ = kda_prefill(**x, initial_state=pool, state_indices=torch.tensor([7, 1]),
+                       cu_seqlens=torch.tensor([0, 2, 6]), output_final_state=True,
+                       backend="reference", check_inputs=False)
+    o_ref, want = gathered_reference(x, before, [0, 2, 6], [-1, 1])
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool[[0, 2]], before[[0, 2]])
+
+
+def test_check_inputs_env_and_gpu_default(monkeypatch) -> None:
+    """Index values of a device tensor are trusted by default; check_inputs=True or
+    CULA_CHECK_CU_SEQLENS=1 checks them (one host copy of cu_seqlens and state_indices)."""
+    calls = []
+    real = prefill_mod._validate_index_values
+    monkeypatch.setattr(prefill_mod, "_validate_index_values",
+                        lambda *a: calls.append(a) or real(*a))
+    kw = pool_call()
+    kda_prefill(**kw)
+    assert len(calls) == 1  # CPU: default
+    kda_prefill(**pool_call(check_inputs=False))
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match=r"pool row 1 for sequences \[0, 2\]"):
+        kda_prefill(**pool_call(state_indices=torch.tensor([1, -1, 1]), check_inputs=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. strided inputs, 6. raw beta, 7. bf16 states
+# ------------------------------------------------------------------------------------------------
+
+
+def test_strided_views_of_one_fused_projection(seed) -> None:
+    T = 7
+    widths = [H * K, H * K, HV * V, HV * K, HV]
+    proj = torch.randn(1, T, sum(widths) + 3)  # + 3: row stride not a multiple of anything
+    q, k, v, g, beta = torch.split(proj[..., :sum(widths)], widths, dim=-1)
+    views = dict(q=q.unflatten(-1, (H, K)), k=k.unflatten(-1, (H, K)), v=v.unflatten(-1, (HV, V)),
+                 g=g.unflatten(-1, (HV, K)))  # g: the raw gate (gate in kernel)
+    for name in ("q", "k", "v", "g"):
+        assert not views[name].is_contiguous() and views[name].stride(-1) == 1, name
+    beta_logits = proj[..., sum(widths) - HV:sum(widths)]
+    assert beta_logits.stride(1) == proj.shape[-1]
+    kw = dict(cu_seqlens=torch.tensor([0, 3, 7]), output_final_state=True, use_qk_l2norm_in_kernel=True,
+              use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True, backend="reference")
+    args = dict(views, beta=beta_logits)
+    o, s = kda_prefill(**args, use_beta_sigmoid_in_kernel=True, **kw)
+    dense = {n: t.contiguous() for n, t in args.items()}
+    o_d, s_d = kda_prefill(**dense, use_beta_sigmoid_in_kernel=True, **kw)
+    assert torch.equal(o, o_d) and torch.equal(s, s_d)
+
+
+@pytest.mark.parametrize("beta_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_raw_beta_logits(beta_dtype, seed) -> None:
+    x = inputs(6)
+    logits = (3 * torch.randn(1, 6, HV)).to(beta_dtype)
+    x["beta"] = logits
+    o, s = kda_prefill(**x, use_beta_sigmoid_in_kernel=True, output_final_state=True,
+                       backend="reference")
+    o_ref, s_ref = kda_recurrent_reference(**dict(x, beta=torch.sigmoid(logits.float())),
+                                           output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_bf16_state_in_and_out(layout, seed) -> None:
+    x = inputs(6)
+    shape = (2, HV, K, V) if layout == "kv" else (2, HV, V, K)
+    h0 = (0.3 * torch.randn(shape)).to(torch.bfloat16)
+    o, s = kda_prefill(**x, initial_state=h0, output_final_state=True, state_layout=layout,
+                       cu_seqlens=torch.tensor([0, 1, 6]), backend="reference")
+    assert s.dtype == torch.bfloat16 and s.shape == shape
+    o_ref, s_ref = kda_recurrent_reference(**x, initial_state=h0.float(), output_final_state=True,
+                                           cu_seqlens=torch.tensor([0, 1, 6]), state_layout=layout)
+    torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(s, s_ref.to(torch.bfloat16))
+    # an fp32 buffer for a bf16 initial state: fp32 out
+    fs = torch.empty(shape)
+    _, s32 = kda_prefill(**x, initial_state=h0, output_final_state=True, state_layout=layout,
+                         cu_seqlens=torch.tensor([0, 1, 6]), final_state=fs, backend="reference")
+    assert s32 is fs and torch.equal(fs, s_ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# sm90: explicit refusals before any launch, and what the Python layer adds
+# ------------------------------------------------------------------------------------------------
+
+
+def sm90_call(**over: Any) -> dict[str, Any]:
+    kw = dict(q=torch.randn(1, 6, 2, 128, dtype=torch.bfloat16),
+              k=torch.randn(1, 6, 2, 128, dtype=torch.bfloat16),
+              v=torch.randn(1, 6, 4, 128, dtype=torch.bfloat16),
+              g=-torch.rand(1, 6, 4, 128).to(torch.bfloat16), beta=torch.rand(1, 6, 4),
+              cu_seqlens=torch.tensor([0, 2, 6]), safe_gate=True, backend="sm90")
+    kw.update(over)
+    return kw
+
+
+@pytest.mark.parametrize("backend", ["sm90", "auto"])
+@pytest.mark.parametrize("what", ["state_indices", "has_initial_state", "bf16-pool"])
+def test_sm90_pool_not_implemented(backend, what, monkeypatch) -> None:
+    monkeypatch.setattr(prefill_mod, "_is_sm90", lambda device: True)
+    pool = torch.zeros(3, 4, 128, 128, dtype=torch.bfloat16 if what == "bf16-pool" else torch.float32)
+    over = dict(initial_state=pool, state_indices=torch.tensor([2, -1]), output_final_state=True,
+                backend=backend)
+    if what == "has_initial_state":
+        over["has_initial_state"] = torch.tensor([True, False])
+    before = pool.clone()
+    prefill_mod.LAST_BACKEND = None
+    with pytest.raises(NotImplementedError) as info:
+        kda_prefill(**sm90_call(**over))
+    msg = str(info.value)
+    assert "`state_indices`" in msg and 'backend="reference"' in msg
+    assert torch.equal(pool, before) and prefill_mod.last_backend() is None
+
+
+def test_sm90_python_layer_adds_sigmoid_state_conversion_and_zero_padding(monkeypatch) -> None:
+    """With a fake extension: beta logits arrive as fp32 sigmoid, a bf16 initial state as fp32,
+    the fp32 final state is converted into the bf16 buffer, and o is zero-filled first (rows past
+    cu_seqlens[-1] are never written by the kernel)."""
+    from cula import _ext
+
+    calls: list[dict[str, Any]] = []
+
+    class FakeExt:
+        @staticmethod
+        def kda_prefill_sm90(**kw):
+            calls.append(kw)
+            assert bool((kw["o"] == 0).all()), "o must be zero-filled before the kernel"
+            kw["o"][:, :5].fill_(1.0)  # the kernel writes the real tokens only
+            kw["final_state"].fill_(0.5)
+
+    monkeypatch.setattr(prefill_mod, "_check_sm90_environment", lambda q, prefix: None)
+    monkeypatch.setattr(_ext, "get_ext", lambda: FakeExt)
+    logits = torch.randn(1, 6, 4, dtype=torch.bfloat16)
+    h0 = torch.randn(2, 4, 128, 128).to(torch.bfloat16)
+    out = torch.full((1, 6, 4, 128), float("nan"), dtype=torch.bfloat16)
+    fs = torch.empty(2, 4, 128, 128, dtype=torch.bfloat16)
+    o, s = kda_prefill(**sm90_call(beta=logits, cu_seqlens=torch.tensor([0, 2, 5])),
+                       use_beta_sigmoid_in_kernel=True, initial_state=h0, output_final_state=True,
+                       out=out, final_state=fs)
+    (kw,) = calls
+    assert kw["beta"].dtype == torch.float32 and torch.equal(kw["beta"], torch.sigmoid(logits.float()))
+    assert kw["initial_state"].dtype == torch.float32 and torch.equal(kw["initial_state"], h0.float())
+    assert kw["o"].data_ptr() == out.data_ptr() and o is out and s is fs
+    assert bool((o[:, :5] == 1).all()) and bool((o[:, 5:] == 0).all())
+    assert bool((fs == 0.5).all())
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. the example's bookkeeping
+# ------------------------------------------------------------------------------------------------
+
+
+def test_pick_bucket_and_slot_pool() -> None:
+    assert serving_step.pick_bucket(1, (16, 64)) == 16
+    assert serving_step.pick_bucket(16, (16, 64)) == 16
+    assert serving_step.pick_bucket(17, (16, 64)) == 64
+    with pytest.raises(ValueError):
+        serving_step.pick_bucket(65, (16, 64))
+    slots = serving_step.SlotPool(4)
+    assert slots.scratch == 3
+    assert [slots.acquire(r) for r in "abc"] == [0, 1, 2]
+    with pytest.raises(RuntimeError):
+        slots.acquire("d")
+    assert slots.release("b") == 1 and slots.acquire("d") == 1
+
+
+def test_plan_step_layout() -> None:
+    R = serving_step.Request
+    slots = serving_step.SlotPool(8)
+    plan = serving_step.plan_step([R("a", 20, first=True), R("b", 3, first=True)], slots,
+                                  t_buckets=(16, 32), n_buckets=(1, 4))
+    assert (plan.T, plan.N) == (32, 4)
+    assert plan.cu_seqlens == [0, 20, 23, 23, 23] and plan.num_tokens == 23
+    assert plan.state_indices == [0, 1, -1, -1] and plan.has_initial_state == [False, False, False, False]
+    plan = serving_step.plan_step([R("a", 1), R("b", 1), R("c", 5, first=True)], slots,
+                                  t_buckets=(16, 32), n_buckets=(1, 4))
+    assert (plan.T, plan.N) == (16, 4) and plan.cu_seqlens == [0, 1, 2, 7, 7]
+    assert plan.state_indices == [0, 1, 2, -1] and plan.has_initial_state == [True, True, False, False]
+    assert plan.spans == [(0, 1), (1, 1), (2, 5)]
+    cu, idx, has = torch.zeros(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.bool)
+    serving_step.write_step_indices(plan, cu, idx, has)
+    assert cu.tolist() == plan.cu_seqlens and idx.tolist() == plan.state_indices
+    assert has.tolist() == plan.has_initial_state
+    xs = [torch.randn(n, 3) for _, n in plan.spans]
+    packed = serving_step.pack_tokens(plan, xs)
+    assert packed.shape == (1, 16, 3) and bool((packed[0, 7:] == 0).all())
+    assert all(torch.equal(a, b) for a, b in zip(serving_step.unpack_tokens(plan, packed), xs))
+
+
+def test_example_steps_match_per_request_reference(seed) -> None:
+    """Three engine steps (prefills, then decode rows mixed with a new prefill) through the pool:
+    every request's outputs equal one uninterrupted recurrence over its tokens, and the
+    gather/scatter variant (what runs on Hopper today) gives the same outputs and pool rows."""
+    R = serving_step.Request
+    steps = [[R("a", 9, first=True), R("b", 4, first=True)],
+             [R("a", 1), R("b", 1), R("c", 6, first=True)],
+             [R("a", 1), R("c", 1), R("b", 2)]]
+    Kx = 8
+    slots = serving_step.SlotPool(6)
+    pool = torch.full((6, HV, Kx, Kx), float("nan"))  # never-written rows hold garbage
+    pool_gs = pool.clone()
+    A_log, dt_bias = 0.1 * torch.randn(HV), 0.1 * torch.randn(HV * Kx)
+    history: dict[str, list[dict[str, torch.Tensor]]] = {}
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for requests in steps:
+        plan = serving_step.plan_step(requests, slots, t_buckets=(8, 16, 32), n_buckets=(2, 4))
+        per = [serving_step._random_request_inputs(r.tokens, H, HV, Kx, Kx, "cpu", torch.float32)
+               for r in requests]
+        packed = {n: serving_step.pack_tokens(plan, [p[n] for p in per])
+                  for n in ("q", "k", "v", "g", "beta")}
+        idx = torch.tensor(plan.state_indices, dtype=torch.int32)
+        args = (packed["q"], packed["k"], packed["v"], packed["g"], packed["beta"])
+        cu = torch.tensor(plan.cu_seqlens, dtype=torch.int32)
+        has = torch.tensor(plan.has_initial_state)
+        o = serving_step.layer_step(*args, pool, cu, idx, has, A_log, dt_bias)
+        o_gs = serving_step.layer_step_gather_scatter(*args, pool_gs, cu, idx, has, A_log, dt_bias,
+                                                      scratch_row=slots.scratch, backend="reference")
+        torch.testing.assert_close(o_gs, o, rtol=1e-6, atol=1e-6)
+        assert bool((o[0, plan.num_tokens:] == 0).all())
+        for r, p, o_r in zip(requests, per, serving_step.unpack_tokens(plan, o)):
+            history.setdefault(r.rid, []).append(p)
+            outputs.setdefault(r.rid, []).append(o_r)
+    opts = {k: v for k, v in serving_step.LAYER_OPTIONS.items()
+            if k not in ("safe_gate", "use_beta_sigmoid_in_kernel")}
+    for rid, parts in history.items():
+        full = {n: torch.cat([p[n] for p in parts])[None] for n in parts[0]}
+        full["beta"] = torch.sigmoid(full["beta"])
+        o_ref, s_ref = kda_recurrent_reference(**full, output_final_state=True, A_log=A_log,
+                                               dt_bias=dt_bias, **opts)
+        torch.testing.assert_close(torch.cat(outputs[rid])[None], o_ref, rtol=1e-5, atol=1e-5)
+        row = slots.row(rid)
+        torch.testing.assert_close(pool[row], s_ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool_gs[row], s_ref[0], rtol=1e-5, atol=1e-5)
+    free = [r for r in range(5) if r not in {slots.row(x) for x in history}]
+    assert all(bool(pool[r].isnan().all()) for r in free), "a free row was written"
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: CUDA-graph buckets (the reference backend reads lengths on the host: not capturable)
+# ------------------------------------------------------------------------------------------------
+
+
+def _gpu_bucket(T: int = 256, N: int = 4):
+    dev, bf16 = "cuda", torch.bfloat16
+    x = dict(q=torch.randn(1, T, 2, 128, device=dev, dtype=bf16),
+             k=torch.randn(1, T, 2, 128, device=dev, dtype=bf16),
+             v=torch.randn(1, T, 4, 128, device=dev, dtype=bf16),
+             g=torch.randn(1, T, 4, 128, device=dev, dtype=bf16),
+             beta=torch.randn(1, T, 4, device=dev))
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=torch.zeros(4, device=dev),
+                dt_bias=torch.zeros(4 * 128, device=dev), safe_gate=True, lower_bound=-5.0,
+                use_beta_sigmoid_in_kernel=True, state_layout="vk", backend="sm90")
+    return x, opts
+
+
+_REPLAYS = ([0, 1, 2, 130, 130], [0, 0, 200, 201, 256], [0, 64, 64, 64, 64], [0, 0, 0, 0, 0])
+
+
+@pytest.mark.gpu_sm90
+def test_cuda_graph_bucket_replay_dense_state_sm90(seed) -> None:
+    """One (T, N) bucket captured once, replayed with new real lengths written in place into the
+    captured cu_seqlens: every replay equals the eager call (o past cu_seqlens[-1] is 0)."""
+    x, opts = _gpu_bucket()
+    cu = torch.tensor(_REPLAYS[0], device="cuda", dtype=torch.int32)
+    h0 = 0.1 * torch.randn(4, 4, 128, 128, device="cuda")
+    o = torch.empty(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+    fs = torch.empty(4, 4, 128, 128, device="cuda")
+    call = lambda: kda_prefill(**x, initial_state=h0, output_final_state=True, cu_seqlens=cu,  # noqa: E731
+                               out=o, final_state=fs, **opts)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for values in _REPLAYS:
+        cu.copy_(torch.tensor(values, dtype=torch.int32))
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_e, s_e = kda_prefill(**x, initial_state=h0, output_final_state=True,
+                               cu_seqlens=cu.clone(), **opts)
+        assert torch.equal(o, o_e) and torch.equal(fs, s_e), f"replay with cu={values}"
+        assert bool((o[:, values[-1]:] == 0).all())
+
+
+@pytest.mark.gpu_sm90
+@pytest.mark.xfail(raises=NotImplementedError, strict=True,
+                   reason="the sm90 kernel does not read/write a state pool by index yet (issue 13)")
+def test_cuda_graph_bucket_replay_pooled_sm90(seed) -> None:
+    """The serving contract proper: the pool read/written in place by index inside a captured
+    bucket, replayed with new lengths and indices; each replay equals the eager call."""
+    x, opts = _gpu_bucket()
+    pool = 0.1 * torch.randn(8, 4, 128, 128, device="cuda")
+    cu = torch.tensor(_REPLAYS[0], device="cuda", dtype=torch.int32)
+    idx = torch.tensor([3, 1, -1, 6], device="cuda", dtype=torch.int32)
+    o = torch.empty(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+    call = lambda p: kda_prefill(**x, initial_state=p, state_indices=idx, output_final_state=True,  # noqa: E731
+                                 cu_seqlens=cu, out=o, **opts)
+    call(pool.clone())  # raises NotImplementedError today
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(pool)
+    for values, rows in zip(_REPLAYS, ([3, 1, -1, 6], [0, -1, 5, 2], [7, 4, 1, -1], [-1, -1, -1, -1])):
+        cu.copy_(torch.tensor(values, dtype=torch.int32))
+        idx.copy_(torch.tensor(rows, dtype=torch.int32))
+        expected = pool.clone()
+        o_e, _ = kda_prefill(**x, initial_state=expected, state_indices=idx.clone(),
+                             output_final_state=True, cu_seqlens=cu.clone(), **opts)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o, o_e) and torch.equal(pool, expected)
+
+
+@pytest.mark.gpu_sm90
+def test_example_graph_buckets_gather_scatter_sm90(seed) -> None:
+    """examples/serving_step.py on Hopper: GraphBuckets around the gather/scatter layer (the fused
+    kernel) against the pooled reference, over the demo's mixed steps."""
+    R = serving_step.Request
+    slots = serving_step.SlotPool(8)
+    pool = torch.zeros(8, 4, 128, 128, device="cuda")
+    pool_ref = pool.clone()
+    A_log, dt_bias = torch.zeros(4, device="cuda"), torch.zeros(4 * 128, device="cuda")
+    step = lambda *a, out=None: serving_step.layer_step_gather_scatter(  # noqa: E731
+        *a, scratch_row=slots.scratch, out=out, backend="sm90")
+    graphs = serving_step.GraphBuckets(step, pool, A_log, dt_bias, H=2, K=128)
+    for requests in ([R("a", 300, first=True), R("b", 37, first=True)],
+                     [R("a", 1), R("b", 1), R("c", 200, first=True)],
+                     [R("a", 1), R("b", 1), R("c", 1)]):
+        plan = serving_step.plan_step(requests, slots)
+        per = [serving_step._random_request_inputs(r.tokens, 2, 4, 128, 128, "cuda", torch.bfloat16)
+               for r in requests]
+        packed = [serving_step.pack_tokens(plan, [p[n] for p in per]) for n in ("q", "k", "v", "g", "beta")]
+        cu = torch.tensor(plan.cu_seqlens, dtype=torch.int32, device="cuda")
+        idx = torch.tensor(plan.state_indices, dtype=torch.int32, device="cuda")
+        has = torch.tensor(plan.has_initial_state, device="cuda")
+        o_ref = serving_step.layer_step(*packed, pool_ref, cu, idx, has, A_log, dt_bias)
+        o = graphs.run(plan, *packed)
+        rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+        assert rel(o, o_ref) < 5e-3
+        rows = [slots.row(r.rid) for r in requests]
+        assert rel(pool[rows], pool_ref[rows]) < 5e-3
