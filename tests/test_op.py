@@ -253,6 +253,17 @@ def test_compile_pooled_no_graph_break_and_matches_eager(seed: int) -> None:
     assert not torch.equal(pool_e[4], pool[4]) and torch.equal(pool_e[0], pool[0])
 
 
+def test_compile_pool_layout_error_names_initial_state(seed: int) -> None:
+    """A pool with non-dense rows is refused while compiling too, with the same message (the
+    data pointer, which fake tensors lack, is not read there)."""
+    q, k, v, g, beta, _, cu, A_log, dt_bias = model_inputs(T=6, cu=[0, 2, 6])
+    idx = torch.tensor([4, 1], dtype=torch.int32)
+    bad_pool = torch.zeros(6, 4, 8, 8).transpose(2, 3)
+    compiled = torch.compile(serving_step, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="`initial_state` must be a state pool whose rows are dense"):
+        compiled(q, k, v, g, beta, bad_pool, cu, idx, A_log, dt_bias)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU: the fused kernel through the op
 # ------------------------------------------------------------------------------------------------

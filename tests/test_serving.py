@@ -324,6 +324,14 @@ def test_check_inputs_env_and_gpu_default(monkeypatch) -> None:
     assert len(calls) == 1
     with pytest.raises(ValueError, match=r"pool row 1 for sequences \[0, 2\]"):
         kda_prefill(**pool_call(state_indices=torch.tensor([1, -1, 1]), check_inputs=True))
+    # the rule for device tensors (no GPU needed: it looks at the device type only)
+    decide = prefill_mod._check_index_values
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.delenv("CULA_CHECK_CU_SEQLENS", raising=False)
+    assert decide(None, cpu) and not decide(None, cuda), "GPU values are trusted by default"
+    assert decide(True, cuda) and not decide(False, cpu)
+    monkeypatch.setenv("CULA_CHECK_CU_SEQLENS", "1")
+    assert decide(None, cuda) and not decide(False, cuda)
 
 
 # ------------------------------------------------------------------------------------------------

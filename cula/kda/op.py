@@ -19,9 +19,9 @@ The outputs are caller-owned: ``o`` (``[B, T, HV, V]``, q's dtype), ``final_stat
 or bfloat16 ``[N, HV, K, V]`` for ``state_layout="kv"``, ``[N, HV, V, K]`` for ``"vk"``, or
 None) and ``state_pool`` (a state pool ``[S, HV, K, V]`` / ``[S, HV, V, K]`` whose rows
 ``state_indices[n] >= 0`` receive the final states in place, or None) are written in place, and
-nothing else is. A pool that is only read (no final states) is passed as ``initial_state``. ``backend`` is ``"sm90"`` (the fused Hopper kernel)
-or ``"reference"`` (the fp32 PyTorch recurrence, any device; CPU included, which is how the op is
-exercised without a GPU).
+nothing else is. A pool that is only read (no final states) is passed as ``initial_state``.
+``backend`` is ``"sm90"`` (the fused Hopper kernel) or ``"reference"`` (the fp32 PyTorch
+recurrence, any device; CPU included, which is how the op is exercised without a GPU).
 
 The op trusts its arguments: it is the layer below the validation. Calling it directly with
 arguments that :func:`cula.kda.kda_prefill` would reject is unsupported; the compiled extension

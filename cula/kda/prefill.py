@@ -361,16 +361,18 @@ def _validate_tensors(
         row = trailing[0] * trailing[1] * trailing[2]
         inner = (trailing[1] * trailing[2], trailing[2], 1)
         item = initial_state.element_size()
+        # No data pointer while compiling (fake tensors have none): strides only.
+        ptr_misaligned = (None if torch.compiler.is_compiling()
+                          else initial_state.data_ptr() % _ALIGN)
         if (tuple(initial_state.stride()[1:]) != inner or initial_state.stride(0) < row
-                or (initial_state.stride(0) * item) % _ALIGN != 0
-                or (not torch.compiler.is_compiling()
-                    and initial_state.data_ptr() % _ALIGN != 0)):
+                or (initial_state.stride(0) * item) % _ALIGN != 0 or ptr_misaligned):
+            got = f"strides {tuple(initial_state.stride())}"
+            if ptr_misaligned is not None:
+                got += f", data pointer % 16 = {ptr_misaligned}"
             raise ValueError(_err(
                 "initial_state", f"a state pool whose rows are dense (strides (s0, {inner[0]}, "
                 f"{inner[1]}, 1) with s0 >= {row}) and 16-byte aligned (data pointer and "
-                f"s0 * {item} bytes multiples of 16)",
-                f"strides {tuple(initial_state.stride())}, data pointer % 16 = "
-                f"{initial_state.data_ptr() % _ALIGN}", got_is_text=True))  # not compiling
+                f"s0 * {item} bytes multiples of 16)", got, got_is_text=True))
         if has_initial_state is not None:
             if has_initial_state.dtype != torch.bool:
                 raise TypeError(_err("has_initial_state", "a bool tensor", has_initial_state))
@@ -382,40 +384,39 @@ def _validate_tensors(
             raise ValueError(_err("has_initial_state", "None unless state_indices is given (it "
                                   "selects, per pool slot, zeros instead of the pool row)",
                                   has_initial_state))
+        if final_state is not None and not output_final_state:
+            raise ValueError(_err("final_state", "None unless output_final_state=True (it is "
+                                  "the buffer the final states are written to)", final_state))
         expected_shape = (N,) + trailing
-        if initial_state is not None:
-            if initial_state.shape != expected_shape:
+        for name, state in (("initial_state", initial_state), ("final_state", final_state)):
+            if state is None:
+                continue
+            if state.shape != expected_shape:
                 raise ValueError(
-                    _err("initial_state", f"of shape [N, {dims}] = {expected_shape} for "
-                         f'state_layout="{state_layout}" (N = number of sequences)', initial_state)
+                    _err(name, f"of shape [N, {dims}] = {expected_shape} for "
+                         f'state_layout="{state_layout}" (N = number of sequences)', state)
                 )
-            if initial_state.dtype not in _STATE_DTYPES:
-                raise TypeError(_err("initial_state", "float32 or bfloat16", initial_state))
-        if final_state is not None:
-            if not output_final_state:
-                raise ValueError(_err("final_state", "None unless output_final_state=True (it is "
-                                      "the buffer the final states are written to)", final_state))
-            if final_state.shape != expected_shape:
-                raise ValueError(
-                    _err("final_state", f"of shape [N, {dims}] = {expected_shape} for "
-                         f'state_layout="{state_layout}" (N = number of sequences)', final_state)
-                )
-            if final_state.dtype not in _STATE_DTYPES:
-                raise TypeError(_err("final_state", "float32 or bfloat16", final_state))
+            if state.dtype not in _STATE_DTYPES:
+                raise TypeError(_err(name, "float32 or bfloat16", state))
 
     # ---- values of cu_seqlens and state_indices (a host copy: one sync for GPU tensors) ------
     # CPU tensors are checked by default; GPU tensors with check_inputs=True (or the environment
     # variable CULA_CHECK_CU_SEQLENS=1); nothing with check_inputs=False; nothing inside a
     # compiled graph (the values are trusted there; the kernel clamps every sequence to [0, T]).
-    if not torch.compiler.is_compiling() and (cu_seqlens is not None or state_indices is not None):
-        if check_inputs is None:
-            check = q.device.type == "cpu" or os.environ.get(_CHECK_CU_SEQLENS_ENV) == "1"
-        else:
-            check = check_inputs
-        if check:
-            _validate_index_values(cu_seqlens, state_indices, T,
-                                   initial_state.shape[0] if state_indices is not None else 0)
+    if (not torch.compiler.is_compiling() and (cu_seqlens is not None or state_indices is not None)
+            and _check_index_values(check_inputs, q.device)):
+        _validate_index_values(cu_seqlens, state_indices, T,
+                               initial_state.shape[0] if state_indices is not None else 0)
     return N
+
+
+def _check_index_values(check_inputs: bool | None, device: torch.device) -> bool:
+    """Whether the values of cu_seqlens / state_indices on ``device`` are checked on the host:
+    ``check_inputs`` when given, else for CPU tensors (free) and, with CULA_CHECK_CU_SEQLENS=1,
+    for device tensors too (one sync)."""
+    if check_inputs is not None:
+        return check_inputs
+    return device.type == "cpu" or os.environ.get(_CHECK_CU_SEQLENS_ENV) == "1"
 
 
 def _validate_index_values(cu_seqlens: Tensor | None, state_indices: Tensor | None, T: int,
@@ -447,19 +448,15 @@ def _validate_index_values(cu_seqlens: Tensor | None, state_indices: Tensor | No
                 f"pool row {row} for sequences {seqs}", got_is_text=True))
 
 
-def _check_sm90_arguments(q: Tensor, v: Tensor, beta: Tensor, safe_gate: bool, pooled: bool,
-                          has_initial_state: bool, prefix: str) -> None:
-    """Argument-level limits of the fused kernel (no device queries)."""
+def _check_sm90_arguments(q: Tensor, v: Tensor, safe_gate: bool, pooled: bool, prefix: str) -> None:
+    """Argument-level limits of the fused kernel (no device queries). Runs after
+    :func:`_validate_tensors`, so beta is already float32 or bfloat16 when q is bfloat16, and
+    ``has_initial_state`` can only come with ``state_indices`` (``pooled``)."""
     if pooled:
         raise NotImplementedError(
             f"{prefix}kda_prefill: `state_indices` (a state pool read and written in place by "
             "index) is not supported by the sm90 kernel yet; gather the rows into a dense "
             "initial_state yourself, or " + _USE_REFERENCE_HINT
-        )
-    if has_initial_state:
-        raise NotImplementedError(
-            f"{prefix}kda_prefill: `has_initial_state` is not supported by the sm90 kernel yet; "
-            + _USE_REFERENCE_HINT
         )
     if not safe_gate:
         raise NotImplementedError(
@@ -471,11 +468,6 @@ def _check_sm90_arguments(q: Tensor, v: Tensor, beta: Tensor, safe_gate: bool, p
     if q.dtype != torch.bfloat16:
         raise TypeError(
             prefix + _err("q", "bfloat16 (with k, v, g) for the sm90 kernel", q)
-            + f"; {_USE_REFERENCE_HINT}"
-        )
-    if beta.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(
-            prefix + _err("beta", "float32 or bfloat16 for the sm90 kernel", beta)
             + f"; {_USE_REFERENCE_HINT}"
         )
     if q.shape[3] != _SM90_HEAD_DIM:
@@ -523,18 +515,17 @@ class _Plan(NamedTuple):
     state_dtype: torch.dtype  # dtype of a final state kda_prefill allocates (non-pooled)
 
 
-def _choose_backend(q: Tensor, v: Tensor, beta: Tensor, safe_gate: bool, pooled: bool,
-                    has_initial_state: bool, backend: str) -> str:
+def _choose_backend(q: Tensor, v: Tensor, safe_gate: bool, pooled: bool, backend: str) -> str:
     """"sm90" or "reference" for a validated call; raises where the request cannot be served."""
     if backend == "sm90":
-        _check_sm90_arguments(q, v, beta, safe_gate, pooled, has_initial_state, prefix="")
+        _check_sm90_arguments(q, v, safe_gate, pooled, prefix="")
         _check_sm90_environment(q, prefix="")
         return "sm90"
     if backend == "reference":
         return "reference"
     if _is_sm90(q.device):  # auto on Hopper: the fused kernel or an explicit error
         prefix = 'backend="auto" chose the sm90 kernel on this Hopper GPU, but: '
-        _check_sm90_arguments(q, v, beta, safe_gate, pooled, has_initial_state, prefix=prefix)
+        _check_sm90_arguments(q, v, safe_gate, pooled, prefix=prefix)
         _check_sm90_environment(q, prefix=prefix)
         return "sm90"
     return "reference"  # auto on CPU or a non-Hopper device
@@ -583,7 +574,7 @@ def _plan(
     if scale_f is None:
         scale_f = q.shape[3] ** -0.5
     pooled = state_indices is not None
-    chosen = _choose_backend(q, v, beta, safe_gate, pooled, has_initial_state is not None, backend)
+    chosen = _choose_backend(q, v, safe_gate, pooled, backend)
     if final_state is not None:
         state_dtype = final_state.dtype
     elif initial_state is not None and not pooled:
@@ -711,7 +702,8 @@ def kda_prefill(
     backends; the reference computes on dense copies, and the sm90 path still copies every
     non-contiguous or misaligned input to a dense tensor first (one extra copy each; the kernel
     does not read strided rows yet). With ``cu_seqlens`` the sm90 path zero-fills ``o`` before
-    the launch (the kernel writes only the rows of its sequences). Inputs are never modified. Validation happens before anything runs or is allocated: bad arguments
+    the launch (the kernel writes only the rows of its sequences). Inputs are never modified.
+    Validation happens before anything runs or is allocated: bad arguments
     raise ``TypeError``/``ValueError`` naming the argument; arguments outside the sm90 kernel's
     coverage raise ``NotImplementedError``/``TypeError``/``ValueError`` pointing to
     ``backend="reference"``; a missing GPU or extension raises ``RuntimeError``.
