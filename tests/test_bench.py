@@ -139,7 +139,7 @@ def test_flops_and_sm_us_per_chunk_head():
     cfg = Config("fixed", 1, 100, 1, 2, 128)            # one chunk of 64 and one of 36
     per = lambda c: 2 * c * c * 5 * 128 + 6 * c * 128 * 128   # noqa: E731
     assert chunked_flops(cfg) == 2 * (per(64) + per(36))
-    # DESIGN section 4's ~16 SM·µs: B2 T8192 H64 at 2.136 ms on 132 SMs
+    # time x SMs / (chunks x HV) (benchmarks/README.md): B2 T8192 H64 at 2.136 ms on 132 SMs, ~16.5
     b2 = Config("fixed", 2, 8192, 64, 64)
     assert b2.chunks == 256
     assert sm_us_per_chunk_head(2.136, 132, b2) == pytest.approx(2136 * 132 / (256 * 64))

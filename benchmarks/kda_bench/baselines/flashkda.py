@@ -38,8 +38,8 @@ class FlashKdaBaseline(Baseline):
 
     def available(self) -> tuple[bool, str]:
         if importlib.util.find_spec("flash_kda") is None:
-            return False, ("flash_kda is not installed (pip install --no-deps "
-                           "wheels/tokenspeed_flashkda-*.whl, or scripts/build_flashkda.sh)")
+            return False, ("flash_kda is not installed (pip install --no-deps tokenspeed-flashkda, "
+                           "or build it from source with scripts/build_flashkda.sh)")
         missing = cuda_missing()
         if missing:
             return False, f"FlashKDA needs a CUDA GPU ({missing})"
