@@ -17,6 +17,7 @@ import cula
 import cula.kda
 from cula.kda import kda_prefill
 from cula.kda import prefill as prefill_mod
+from cula.kda.reference import kda_gate
 
 # ----------------------------------------------------------------------------------------------
 # helpers
@@ -277,8 +278,15 @@ def test_valid_cu_seqlens_accepted(cu, cu_dtype) -> None:
     assert o.shape == (1, 6, 4, 8) and ht.shape == (len(cu) - 1, 4, 8, 8)
 
 
-def test_lower_bound_below_minus_5_allowed_without_safe_gate() -> None:
-    kda_prefill(**_gate(lower_bound=-8.0, safe_gate=False))
+def test_lower_bound_below_minus_5_allowed_without_safe_gate(seed) -> None:
+    kw = _gate(lower_bound=-8.0, safe_gate=False, A_log=0.1 * torch.randn(4),
+               dt_bias=0.1 * torch.randn(32), g=2 + torch.rand(1, 6, 4, 8))  # raw gate
+    o, _ = kda_prefill(**kw)
+    gate_args = {n: kw.pop(n) for n in ("A_log", "dt_bias", "lower_bound")}
+    g = kda_gate(kw.pop("g"), **gate_args)          # decays in [-8, 0), below the safe range
+    assert float(g.min()) < -5.0
+    o_ref, _ = naive_kda(kw["q"], kw["k"], kw["v"], g, kw["beta"], 8 ** -0.5)
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_dt_bias_2d_accepted_and_same_as_flat(seed) -> None:
