@@ -11,8 +11,9 @@ dtypes, int32 and int64 cu_seqlens, with and without an initial state, and once 
 final state; then with 70 sequences (lengths 0..130), whose 280 (sequence, head) tiles exceed one
 wave, under both tile schedules (index order, and longest first on persistent CTAs); then with
 GPU cu_seqlens holding bad values (decreasing, negative, past the end of the token axis), which the
-kernel must clamp to [0, T] without touching memory outside its tensors (memcheck is the check). Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the
-GPU work that the sanitizer instruments is the copies and the kernel itself.
+kernel must clamp to [0, T] without touching memory outside its tensors (memcheck is the check).
+Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the GPU work that
+the sanitizer instruments is the copies and the kernel itself.
 
 Exit status: 0 when every call ran on backend "sm90" and matched the fp32 reference (relative L2
 error <= 5e-3, all finite); 1 on a mismatch; 2 when the fused kernel cannot run here.
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from cula.kda import kda_prefill, last_backend
-from cula.kda.reference import kda_recurrent_reference
+from cula.kda.reference import kda_recurrent_reference, sequence_ranges
 
 CU = [0, 0, 1, 65, 130, 200]
 _MANY = [(7 * i) % 23 for i in range(70)]
@@ -103,18 +104,10 @@ def run_one(gate_in: bool, l2: bool, layout: str, beta_bf16: bool, cu64: bool, w
 
 
 # GPU cu_seqlens that no host check sees: decreasing, negative and past-the-end values. The kernel
-# clamps sequence n to [clamp(cu[n], 0, T), clamp(cu[n+1], start, T)] (tile_scheduler.cuh).
+# clamps sequence n to [clamp(cu[n], 0, T), clamp(cu[n+1], start, T)] (tile_scheduler.cuh), as
+# cula.kda.reference.sequence_ranges does.
 CU_BAD = [0, 50, 30, -10, 500, 120, 7]
 T_BAD = 200
-
-
-def clamped_ranges(cu: list[int], total: int) -> list[tuple[int, int]]:
-    """The token range of each sequence as the kernel reads it from any cu_seqlens values."""
-    out = []
-    for n in range(len(cu) - 1):
-        b = min(max(cu[n], 0), total)
-        out.append((b, min(max(cu[n + 1], b), total)))
-    return out
 
 
 def run_bad_cu_seqlens() -> bool:
@@ -134,7 +127,7 @@ def run_bad_cu_seqlens() -> bool:
     torch.cuda.synchronize()
     o, fs = o.cpu(), fs.cpu()
     ok = bool(torch.isfinite(fs).all())
-    ranges = clamped_ranges(CU_BAD, T_BAD)
+    ranges = sequence_ranges(torch.tensor(CU_BAD), T_BAD)
     for n, (b, e) in enumerate(ranges):
         if b == e:  # empty after clamping: the final state is the initial state
             ok &= bool(torch.equal(fs[n], h0[n]))
