@@ -4,7 +4,7 @@ and MoonshotAI's FlashKDA, in one process, on identical inputs.
 
     python benchmarks/bench_kda_prefill.py                 # SM90 GPU: full default suite; CPU check elsewhere
     python benchmarks/bench_kda_prefill.py --quick         # a handful of rows
-    python benchmarks/bench_kda_prefill.py --suite issue   # issue 11's target rows
+    python benchmarks/bench_kda_prefill.py --suite targets   # the target rows
     python benchmarks/bench_kda_prefill.py --save          # + benchmarks/results/<device>-<date>.{json,md,png}
     python benchmarks/bench_kda_prefill.py --help
 

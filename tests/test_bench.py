@@ -43,7 +43,7 @@ from cula.kda.reference import kda_recurrent_reference  # noqa: E402
 
 CPU = torch.device("cpu")
 
-ISSUE_ROWS = [
+TARGET_ROWS = [
     "B2 T8192 H64", "B8 T8192 H64", "B1 T8192 H64", "B1 T1024 H64", "B2 T8192 H16/HV64",
     "varlen random N10 T8192 H64", "varlen uniform N100 T12800 H64", "B1 T32768 H8",
     "B1 T65536 H4",
@@ -77,24 +77,24 @@ def test_default_suite_well_formed():
     for c in cfgs:
         assert sum(c.seq_lens) == c.B * c.T and min(c.seq_lens) >= 1
         assert c.HV % c.H == 0 and c.D == 128
-    # every row of the previous suite is kept, and issue 12's rows are added
+    # every row of the previous suite is kept, and the small-N*HV rows (B1 T131072 H2, one long prompt with three short ones) are added
     for name in ("B8 T16384 H64", "B2 T8192 H8/HV64", "varlen skewed N100 T16384 H64",
                  "B1 T32768 H8", "B1 T65536 H4", "B1 T131072 H2", "varlen given N4 T30138 H8"):
         assert name in names
-    assert set(ISSUE_ROWS) <= set(names)
+    assert set(TARGET_ROWS) <= set(names)
     long = next(c for c in cfgs if c.dist == "given")
     assert long.lens == (30000, 100, 37, 1) and long.H == long.HV == 8
 
 
 def test_issue_suite_is_exactly_the_targets():
-    cfgs = build_suite("issue")
-    assert [c.name for c in cfgs] == ISSUE_ROWS
+    cfgs = build_suite("targets")
+    assert [c.name for c in cfgs] == TARGET_ROWS
     uniform = next(c for c in cfgs if c.dist == "uniform")
     assert uniform.lens == (128,) * 100
     random_row = next(c for c in cfgs if c.dist == "random")
     assert len(random_row.lens) == 10 and sum(random_row.lens) == 8192
     # the issue suite is fixed: head overrides do not move it
-    assert [c.name for c in build_suite("issue", H=4, HV=8)] == ISSUE_ROWS
+    assert [c.name for c in build_suite("targets", H=4, HV=8)] == TARGET_ROWS
 
 
 def test_quick_suite_and_mode_filters():
@@ -186,7 +186,7 @@ def test_flashkda_coverage():
 
 
 def test_cula_schedule_rule():
-    v100 = build_suite("issue")[6]                      # 100 x 128 tokens, 6400 tiles
+    v100 = build_suite("targets")[6]                      # 100 x 128 tokens, 6400 tiles
     assert cula_schedule(v100, 132, forced="") == "longest-first"
     assert cula_schedule(v100, 132, forced="index") == "index"
     b8 = Config("fixed", 8, 1024, 64, 64)               # 512 tiles, long sequences

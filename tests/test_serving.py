@@ -1,4 +1,4 @@
-"""The serving contract of cula.kda.kda_prefill (issue 13), on CPU with the reference backend.
+"""The serving contract of cula.kda.kda_prefill on CPU with the reference backend.
 
 State pool by index (both layouts, fp32/bf16, padded row stride, pad slots, has_initial_state),
 caller-owned ``out=``/``final_state=`` buffers, padded buckets, cu_seqlens clamped like the
@@ -600,7 +600,7 @@ def test_cuda_graph_bucket_replay_dense_state_sm90(seed) -> None:
 
 @pytest.mark.gpu_sm90
 @pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                   reason="the sm90 kernel does not read/write a state pool by index yet (issue 13)")
+                   reason="the sm90 kernel does not read/write a state pool by index yet")
 def test_cuda_graph_bucket_replay_pooled_sm90(seed) -> None:
     """The serving contract proper: the pool read/written in place by index inside a captured
     bucket, replayed with new lengths and indices; each replay equals the eager call."""

@@ -19,8 +19,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "FlashKDA. Without an SM90 GPU: a CPU check of the reference backend.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--suite", choices=SUITES, default="default",
-                   help="default: the rows of --mode; quick: a handful of rows (= --quick); issue: "
-                        "issue 11's targets (B8/B2/B1 T8192 H64, B1 T1024 H64, GVA B2 T8192 H16/HV64, "
+                   help="default: the rows of --mode; quick: a handful of rows (= --quick); targets: "
+                        "the target rows (B8/B2/B1 T8192 H64, B1 T1024 H64, GVA B2 T8192 H16/HV64, "
                         "varlen random N10 T8192 H64, varlen 100 x 128 H64, B1 T32768 H8, "
                         "B1 T65536 H4; --heads/--hv ignored)")
     p.add_argument("--mode", choices=[*MODES, "all"], default="all",

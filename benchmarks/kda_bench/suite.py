@@ -12,7 +12,7 @@ Suites (``--suite``):
     (B=1, T=131072, H=2), and one 30000-token sequence with three short ones at H = 8.
 
 * ``quick``: five rows across the modes (``--quick``).
-* ``issue``: the nine target rows of issue 11 (head counts fixed, ``--heads``/``--hv`` ignored);
+* ``targets``: the nine target rows (head counts fixed, ``--heads``/``--hv`` ignored);
   the default suite holds them too.
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 CHUNK = 64  # the chunk length of cula and FLA: chunk counts, flops and SM·µs per chunk-head
 
-SUITES = ("default", "quick", "issue")
+SUITES = ("default", "quick", "targets")
 MODES = ("fixed", "gva", "varlen", "small")
 
-# Issue 12: one long prompt batched with three short requests (tests that a long tile does not
+# Small N*HV: one long prompt batched with three short requests (tests that a long tile does not
 # wait behind short ones, and that 1-token sequences work).
 LONG_PROMPT_WITH_SHORT = (30000, 100, 37, 1)
 
@@ -119,7 +119,7 @@ def given_lengths(mode: str, lens: tuple[int, ...], H: int, HV: int, D: int) -> 
 
 
 def issue_suite(seed: int = 0) -> list[Config]:
-    """The target rows of issue 11, most telling first (so ``--time-budget`` cuts the tail)."""
+    """The target rows, most telling first (so ``--time-budget`` cuts the tail)."""
     return [
         Config("fixed", 2, 8192, 64, 64),
         Config("fixed", 8, 8192, 64, 64),
@@ -173,7 +173,7 @@ def default_suite(modes: list[str], *, D: int = 128, batch: list[int] | None = N
             for n in [10, 20, 100]:
                 for dist in ["uniform", "random", "skewed"]:
                     cfgs.append(varlen(dist, n, total, H_def, HV_def, D, seed))
-        cfgs.append(varlen("uniform", 100, 100 * 128, H_def, HV_def, D, seed))   # issue 11's target
+        cfgs.append(varlen("uniform", 100, 100 * 128, H_def, HV_def, D, seed))   # a target row
     if "small" in modes:
         for T, h in [(32768, 8), (65536, 4), (131072, 2)]:
             cfgs.append(Config("small", 1, T, H or h, HV or H or h, D))
@@ -185,7 +185,7 @@ def build_suite(suite: str = "default", mode: str = "all", *, D: int = 128,
                 batch: list[int] | None = None, seqlen: list[int] | None = None,
                 H: int | None = None, HV: int | None = None, seed: int = 0) -> list[Config]:
     """The configurations of a named suite (``mode`` selects within ``default``)."""
-    if suite == "issue":
+    if suite == "targets":
         return issue_suite(seed)
     if suite == "quick":
         return quick_suite(H, HV, D, seed)
