@@ -300,7 +300,7 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst>
 __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
-  const int tid = threadIdx.x - 128;  // warpgroup 1
+  const int tid = threadIdx.x - first_thread(WarpgroupRole::kIntra);
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
   float* rnorm = reinterpret_cast<float*>(smem.intra_scratch + kRnormOffset);

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
   // latency) instead of LDS/STS. The launch reserves the 1 KB of slack (kSharedBytes).
   const uint32_t align_pad = (1024u - (smem_u32(smem_raw) & 1023u)) & 1023u;
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw + align_pad);
-  const int warpgroup = threadIdx.x / 128;
+  const auto role = WarpgroupRole(threadIdx.x / kWarpgroupThreads);
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -56,20 +56,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     // The producer's warpgroup sorts the sequences in stage 0 (free until the first load); the
     // barrier orders the sort's stores before anything the math warpgroups later do there (the
     // TMA loads in between are another proxy, which the sanitizer's race check does not follow).
-    if (warpgroup == 0)
+    if (role == WarpgroupRole::kProducer)
       sort_sequences_longest_first(kp.problem, reinterpret_cast<uint64_t*>(smem.stage[0].q), kp.schedule->sorted_seq);
     __syncthreads();
   }
 
-  if (warpgroup == 0) {
+  if (role == WarpgroupRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (threadIdx.x < 32) run_load_producer<kLongestFirst>(kp, smem);
-  } else if (warpgroup == 1) {
+    if (threadIdx.x < 32) run_load_producer<kLongestFirst>(kp, smem);  // one warp issues the loads
+  } else if (role == WarpgroupRole::kIntra) {
     cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
     run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst>(kp, smem);
-  } else {
+  } else {  // kState0, kState1: one half of the value columns each
     cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-    run_state_warpgroup<kLongestFirst>(kp, smem, warpgroup - 2);
+    run_state_warpgroup<kLongestFirst>(kp, smem, int(role) - int(WarpgroupRole::kState0));
   }
 #endif
 }

@@ -20,6 +20,17 @@
 
 namespace cula::kda::sm90 {
 
+// The four warpgroups of a CTA, by role (warpgroup index = threadIdx.x / 128).
+enum class WarpgroupRole : int {
+  kProducer = 0,  // one warp: TMA loads of q, k, v, g and the beta stores (load_producer.cuh)
+  kIntra = 1,     // everything chunk-local: gates, A matrices, inverse, W, U (intra_chunk_math.cuh)
+  kState0 = 2,    // the recurrence for value columns 0..63 (state_math.cuh)
+  kState1 = 3,    // the recurrence for value columns 64..127
+};
+constexpr int kWarpgroupThreads = 128;
+// First thread of a role's warpgroup.
+constexpr int first_thread(WarpgroupRole role) { return int(role) * kWarpgroupThreads; }
+
 constexpr int kChunk = 64;           // tokens per chunk
 constexpr int kHeadDim = 128;        // K == V
 constexpr int kSubBlock = 16;        // rows per sub-block (one warp of a warpgroup)

@@ -37,7 +37,7 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
 template <bool kLongestFirst>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   const KdaPrefillParams& p = kp.problem;
-  const int tid = threadIdx.x - 256 - 128 * half;  // warpgroups 2 and 3
+  const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
   const NamedBarrierId bar = half ? NamedBarrierId::kState1 : NamedBarrierId::kState0;
