@@ -153,6 +153,8 @@ ACCEPT: dict[str, Callable[[], dict[str, Any]]] = {
     "varlen-use_graph": lambda: _varlen(use_graph=True, max_num_seqs=3),
     "disable_recompute": lambda: fla_call(disable_recompute=True),
     "chunk_size-32": lambda: fla_call(chunk_size=32),
+    # FLA's default safe_gate=False: the lower bound in [-5, 0) already bounds every decay.
+    "safe_gate-False-lower_bound--5": lambda: fla_call(safe_gate=False),
 }
 
 REJECT: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
@@ -162,7 +164,7 @@ REJECT: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
     "V64": (lambda: fla_call(V=64), "V == 128"),
     "HV-not-multiple-of-H": (lambda: fla_call(H=2, HV=3, A_log=torch.zeros(3), dt_bias=torch.zeros(3 * D)),
                              "multiple of H"),
-    "safe_gate-False": (lambda: fla_call(safe_gate=False), "safe_gate"),
+    "safe_gate-False-lower_bound--6": (lambda: fla_call(safe_gate=False, lower_bound=-6.0), "safe_gate"),
     "precomputed-decays-safe_gate-False": (lambda: _decays(safe_gate=False), "safe_gate"),
     "lower_bound-below--5": (lambda: fla_call(lower_bound=-6.0), "lower_bound"),
     "softplus-gate": (lambda: fla_call(lower_bound=None), "lower_bound"),

@@ -844,15 +844,30 @@ def test_auto_dispatch_uses_sm90(seed: int):
 
 @gpu_sm90
 @pytest.mark.parametrize("backend", ["sm90", "auto"])
-@pytest.mark.parametrize("gate", ["lb_alog_dtb", "given"])
-def test_safe_gate_false_raises(backend: str, gate: str, seed: int):
-    """safe_gate=False on the sm90 kernel: NotImplementedError pointing to backend="reference"."""
-    spec, inp = _small_inputs(gate)
-    kda_prefill(**inp, safe_gate=True, backend="reference")  # LAST_BACKEND = "reference"
+@pytest.mark.parametrize("case", ["given", "lower_bound_-6"])
+def test_safe_gate_false_raises(backend: str, case: str, seed: int):
+    """safe_gate=False with decays the kernel cannot bound (precomputed, or a lower bound below
+    -5): NotImplementedError pointing to backend="reference"."""
+    spec, inp = _small_inputs("given" if case == "given" else "lb_alog_dtb")
+    if case == "lower_bound_-6":
+        inp["lower_bound"] = -6.0
+    kda_prefill(**inp, safe_gate=case == "given", backend="reference")  # LAST_BACKEND = "reference"
     with pytest.raises(NotImplementedError, match="safe_gate") as info:
         kda_prefill(**inp, output_final_state=True, safe_gate=False, backend=backend)
     assert 'backend="reference"' in str(info.value), str(info.value)
     assert last_backend() == "reference", "a call that raised changed last_backend()"
+
+
+@gpu_sm90
+def test_safe_gate_false_with_lower_bound_runs(seed: int):
+    """FLA's default safe_gate=False with the in-kernel gate and lower_bound in [-5, 0): the decays
+    are bounded by construction, so the kernel runs, with the bits of the safe_gate=True call."""
+    spec, inp = _small_inputs("lb_alog_dtb")
+    assert -5.0 <= inp["lower_bound"] < 0
+    o_f, s_f = kda_prefill(**inp, output_final_state=True, safe_gate=False, backend="sm90")
+    assert last_backend() == "sm90"
+    o_t, s_t = kda_prefill(**inp, output_final_state=True, safe_gate=True, backend="sm90")
+    assert torch.equal(o_f, o_t) and torch.equal(s_f, s_t)
 
 
 # ------------------------------------------------------------------------------------------------

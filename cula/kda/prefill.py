@@ -448,7 +448,7 @@ def _validate_index_values(cu_seqlens: Tensor | None, state_indices: Tensor | No
                 f"pool row {row} for sequences {seqs}", got_is_text=True))
 
 
-def _check_sm90_arguments(q: Tensor, v: Tensor, safe_gate: bool, pooled: bool, prefix: str) -> None:
+def _check_sm90_arguments(q: Tensor, v: Tensor, decays_bounded: bool, pooled: bool, prefix: str) -> None:
     """Argument-level limits of the fused kernel (no device queries). Runs after
     :func:`_validate_tensors`, so beta is already float32 or bfloat16 when q is bfloat16, and
     ``has_initial_state`` can only come with ``state_indices`` (``pooled``)."""
@@ -458,12 +458,13 @@ def _check_sm90_arguments(q: Tensor, v: Tensor, safe_gate: bool, pooled: bool, p
             "index) is not supported by the sm90 kernel yet; gather the rows into a dense "
             "initial_state yourself, or " + _USE_REFERENCE_HINT
         )
-    if not safe_gate:
+    if not decays_bounded:
         raise NotImplementedError(
             f"{prefix}kda_prefill: `safe_gate` must be True for the sm90 kernel, got False. The "
             f"kernel needs every log decay in [{_SAFE_GATE_MIN}, 0) (e.g. use_gate_in_kernel=True "
-            "with lower_bound=-5.0); the general-gate path is not "
-            f"implemented: set `safe_gate=True` if your gates satisfy it, or {_USE_REFERENCE_HINT}"
+            f"with lower_bound in [{_SAFE_GATE_MIN}, 0), which guarantees it); the general-gate "
+            f"path is not implemented: set `safe_gate=True` if your gates satisfy it, or "
+            f"{_USE_REFERENCE_HINT}"
         )
     if q.dtype != torch.bfloat16:
         raise TypeError(
@@ -515,17 +516,19 @@ class _Plan(NamedTuple):
     state_dtype: torch.dtype  # dtype of a final state kda_prefill allocates (non-pooled)
 
 
-def _choose_backend(q: Tensor, v: Tensor, safe_gate: bool, pooled: bool, backend: str) -> str:
-    """"sm90" or "reference" for a validated call; raises where the request cannot be served."""
+def _choose_backend(q: Tensor, v: Tensor, decays_bounded: bool, pooled: bool, backend: str) -> str:
+    """"sm90" or "reference" for a validated call; raises where the request cannot be served.
+    ``decays_bounded``: every log decay is known to lie in [-5, 0) (``safe_gate``, or a gate in
+    the kernel whose ``lower_bound`` is in that range)."""
     if backend == "sm90":
-        _check_sm90_arguments(q, v, safe_gate, pooled, prefix="")
+        _check_sm90_arguments(q, v, decays_bounded, pooled, prefix="")
         _check_sm90_environment(q, prefix="")
         return "sm90"
     if backend == "reference":
         return "reference"
     if _is_sm90(q.device):  # auto on Hopper: the fused kernel or an explicit error
         prefix = 'backend="auto" chose the sm90 kernel on this Hopper GPU, but: '
-        _check_sm90_arguments(q, v, safe_gate, pooled, prefix=prefix)
+        _check_sm90_arguments(q, v, decays_bounded, pooled, prefix=prefix)
         _check_sm90_environment(q, prefix=prefix)
         return "sm90"
     return "reference"  # auto on CPU or a non-Hopper device
@@ -574,7 +577,10 @@ def _plan(
     if scale_f is None:
         scale_f = q.shape[3] ** -0.5
     pooled = state_indices is not None
-    chosen = _choose_backend(q, v, safe_gate, pooled, backend)
+    # The lower-bound gate lb * sigmoid(...) lies in (lb, 0): with lb in [-5, 0) the decays are
+    # bounded whatever safe_gate says (FLA's chunk_kda passes safe_gate=False by default).
+    decays_bounded = safe_gate or (use_gate_in_kernel and lb is not None and _SAFE_GATE_MIN <= lb < 0)
+    chosen = _choose_backend(q, v, decays_bounded, pooled, backend)
     if final_state is not None:
         state_dtype = final_state.dtype
     elif initial_state is not None and not pooled:
@@ -685,8 +691,10 @@ def kda_prefill(
             ``-exp(A_log[hv]) * softplus(g + dt_bias[hv])`` (needs ``A_log``), or with
             ``lower_bound``: ``lower_bound * sigmoid(exp(A_log[hv]) * (g + dt_bias[hv]))``
             (``A_log`` optional: ``lower_bound * sigmoid(g + dt_bias[hv])``).
-        safe_gate: the caller promises every log decay lies in ``[-5, 0)``. Required by the sm90
-            kernel. With ``use_gate_in_kernel=True`` it requires ``lower_bound`` in ``[-5, 0)``;
+        safe_gate: the caller promises every log decay lies in ``[-5, 0)``. The sm90 kernel needs
+            that promise, or ``use_gate_in_kernel=True`` with ``lower_bound`` in ``[-5, 0)``
+            (which keeps every decay in range by construction, so ``safe_gate`` may then be
+            False). With ``use_gate_in_kernel=True`` it requires ``lower_bound`` in ``[-5, 0)``;
             with ``use_gate_in_kernel=False`` the promise about ``g`` is not checked (that would
             cost a pass over g and a sync): values outside it give inaccurate results.
         lower_bound: finite and < 0; only with ``use_gate_in_kernel=True``.
