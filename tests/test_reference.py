@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cula.kda.reference import (
+    DIAG_SPAN_MAX_LOG2,
     kda_chunked_reference,
     kda_gate,
     kda_recurrent_reference,
@@ -237,6 +238,56 @@ def test_chunked_float32_worst_case_safe_gates(seed):
     assert o32.dtype == torch.float32
     assert_rel(o_ref, o32, 1e-4)
     assert_rel(s_ref, s32, 1e-4)
+
+
+def _unbounded_gate_inputs(kind: str, T: int = 200, K: int = 64, V: int = 32, HV: int = 2):
+    """Inputs whose decays the safe-gate factorisation cannot take (issue: safe_gate=False):
+    Kimi-Linear's softplus gate with A_log ~ N(0, 1) and g ~ 2 N(0, 1); precomputed decays down
+    to -30 per token; and precomputed decays with whole channels reset (-inf) at some tokens."""
+    args, kw = make_inputs(B=1, T=T, H=1, HV=HV, K=K, V=V, gate="precomputed", l2=True, init=True)
+    q, k, v, g, beta = args
+    if kind == "softplus":
+        g = 2.0 * torch.randn(1, T, HV, K)
+        kw.update(use_gate_in_kernel=True, A_log=torch.randn(HV), dt_bias=torch.randn(HV * K))
+    elif kind == "to_-30":
+        g = -30.0 * torch.rand(1, T, HV, K)
+        g[..., : K // 4] = -30.0                     # a quarter of the channels at the extreme
+    elif kind == "-inf":
+        g = -5.0 * torch.rand(1, T, HV, K)
+        reset = torch.rand(1, T, HV, K) < 0.02       # ~2% of (token, channel) pairs reset to zero
+        g = torch.where(reset, torch.tensor(float("-inf")), g)
+    return (q, k, v, g, beta), kw
+
+
+@pytest.mark.parametrize("kind", ["softplus", "to_-30", "-inf"])
+def test_chunked_general_gates_float32_matches_recurrence(seed, kind):
+    """The general-gate chunked form (the design for the kernel's safe_gate=False path) in fp32
+    equals the fp64 recurrence for unbounded decays, with varlen boundaries inside chunks; the
+    safe-gate form overflows on the extreme decays (why the general form exists)."""
+    (q, k, v, g, beta), kw = _unbounded_gate_inputs(kind)
+    if kind != "softplus":  # the element-by-element path of the diagonal sub-blocks is exercised
+        span = -(g.clamp(min=-200 * math.log(2)).unfold(1, 16, 16).sum(-1)) / math.log(2)
+        assert bool((span > DIAG_SPAN_MAX_LOG2).any())
+    kw["cu_seqlens"] = torch.tensor([0, 37, 37, 130, 200])
+    kw["initial_state"] = 0.1 * torch.randn(4, 2, 64, 32)
+    o_ref, s_ref = kda_recurrent_reference(q, k, v, g, beta, dtype=F64, output_final_state=True, **kw)
+    o32, s32 = kda_chunked_reference(q, k, v, g, beta, dtype=torch.float32, output_final_state=True,
+                                     general_gates=True, **kw)
+    assert_rel(o_ref, o32, 1e-4, "o")
+    assert_rel(s_ref, s32, 1e-4, "state")
+    if kind == "to_-30":
+        o_safe, _ = kda_chunked_reference(q, k, v, g, beta, dtype=torch.float32, output_final_state=True, **kw)
+        assert not bool(torch.isfinite(o_safe).all()), "the safe-gate form should overflow here"
+
+
+@pytest.mark.parametrize("gate", ["lb_alog", "precomputed"])
+def test_chunked_general_gates_equal_safe_form_on_safe_gates(seed, gate):
+    """On bounded decays both chunked forms are exact: they agree to fp64 rounding."""
+    args, kw = make_inputs(B=2, T=130, H=1, HV=2, K=32, V=16, gate=gate, l2=True, init=True)
+    o_s, s_s = kda_chunked_reference(*args, dtype=F64, output_final_state=True, **kw)
+    o_g, s_g = kda_chunked_reference(*args, dtype=F64, output_final_state=True, general_gates=True, **kw)
+    assert_rel(o_s, o_g, 1e-10)
+    assert_rel(s_s, s_g, 1e-10)
 
 
 def test_float32_recurrent_close_to_float64(seed):

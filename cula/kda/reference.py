@@ -416,6 +416,59 @@ def _blocked_unit_lower_inverse(A: Tensor, nb: int) -> Tensor:
     return M
 
 
+#: general_gates: log2 decays are floored here: exp2(-200) underflows to 0 in float32, so a -inf
+#: channel still resets completely, while cumulative sums and their differences stay finite.
+GATE_FLOOR_LOG2 = 200.0
+#: general_gates: a diagonal sub-block factors through its end for the features whose span over the
+#: sub-block is at most this (e <= 2^100 keeps q*e*k*f and the sums far inside float32 / bf16).
+DIAG_SPAN_MAX_LOG2 = 100.0
+
+
+def _general_gate_scores(qc: Tensor, kc: Tensor, G: Tensor, r: Tensor, KT: Tensor,
+                         s: int) -> tuple[Tensor, Tensor]:
+    """Unmasked A_qk and A_kk of one chunk ``[n, HV, C, C]`` for any decays, every factor <= 1
+    or bounded by 2^DIAG_SPAN_MAX_LOG2 (see :func:`kda_chunked_reference`, ``general_gates``).
+
+    qc, kc, G: ``[n, HV, C, K]`` (G the cumulative log2 decay from the chunk start, floored);
+    r: ``[n, HV, nb, K]`` (G at each sub-block's last row); KT = k * exp2(r_b(j) - G_j).
+    """
+    n, HV, C, K = qc.shape
+    nb = C // s
+    A_qk = qc.new_zeros(n, HV, C, C)
+    A_kk = qc.new_zeros(n, HV, C, C)
+    tri = torch.tril(torch.ones(s, s, dtype=torch.bool, device=qc.device))        # j <= i in a block
+    for bi in range(nb):
+        ri = slice(bi * s, (bi + 1) * s)
+        r_start = r[:, :, bi - 1] if bi > 0 else torch.zeros_like(r[:, :, 0])    # [n, HV, K]
+        # row side against the start of the row's sub-block: G_i <= r_start, so <= 1
+        lead = torch.exp2(G[:, :, ri] - r_start.unsqueeze(-2))                     # [n, HV, 16, K]
+        Qs, Ks = qc[:, :, ri] * lead, kc[:, :, ri] * lead
+        for bj in range(bi):
+            rj = slice(bj * s, (bj + 1) * s)
+            between = torch.exp2(r_start - r[:, :, bj]).unsqueeze(-2)             # <= 1 (bj <= bi - 1)
+            KT_j = (KT[:, :, rj] * between).transpose(-1, -2)
+            A_qk[:, :, ri, rj] = Qs @ KT_j
+            A_kk[:, :, ri, rj] = Ks @ KT_j
+        # diagonal sub-block: factor through the block end where the span allows, exact elsewhere
+        span = r_start - r[:, :, bi]                                               # [n, HV, K], >= 0
+        narrow = (span <= DIAG_SPAN_MAX_LOG2).unsqueeze(-2)                        # [n, HV, 1, K]
+        e = torch.exp2(torch.where(narrow, G[:, :, ri] - r[:, :, bi].unsqueeze(-2), 0.0))   # <= 2^span
+        zero = torch.zeros((), dtype=qc.dtype, device=qc.device)
+        KT_d = torch.where(narrow, KT[:, :, ri], zero).transpose(-1, -2)
+        A_qk[:, :, ri, ri] = torch.where(narrow, qc[:, :, ri] * e, zero) @ KT_d
+        A_kk[:, :, ri, ri] = torch.where(narrow, kc[:, :, ri] * e, zero) @ KT_d
+        wide = ~narrow
+        if bool(wide.any()):
+            Gb = G[:, :, ri]                                                       # [n, HV, 16, K]
+            diff = Gb.unsqueeze(-2) - Gb.unsqueeze(-3)                             # [.., i, j, K]: G_i - G_j
+            m = tri.unsqueeze(-1) & wide.unsqueeze(-2)                             # j <= i, wide features
+            d = torch.where(m, torch.exp2(torch.where(m, diff, 0.0)), zero)        # exponent <= 0 where kept
+            kj = kc[:, :, ri].unsqueeze(-3)                                        # [.., 1, j, K]
+            A_qk[:, :, ri, ri] += (qc[:, :, ri].unsqueeze(-2) * kj * d).sum(-1)
+            A_kk[:, :, ri, ri] += (kc[:, :, ri].unsqueeze(-2) * kj * d).sum(-1)
+    return A_qk, A_kk
+
+
 @torch.no_grad()
 def kda_chunked_reference(
     q: Tensor,
@@ -435,6 +488,7 @@ def kda_chunked_reference(
     state_layout: StateLayout = "kv",
     dtype: torch.dtype = torch.float32,
     chunk_size: int = 64,
+    general_gates: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """KDA forward in the chunked form the fused SM90 kernel evaluates (docs/math.md section 2).
 
@@ -481,6 +535,16 @@ def kda_chunked_reference(
     Numerics: the sub-block factor ``e`` is unbounded for unbounded decays (softplus gates), so
     like the SM90 kernel this form assumes **safe gates** (decays >= -5 per token, e.g.
     ``lower_bound=-5``) when run in float32; float64 tolerates much larger decays.
+
+    ``general_gates=True`` is the form for any decays <= 0 (``-inf`` included), the design the
+    kernel's ``safe_gate=False`` path is to follow (docs/perf-notes.md): log2 decays are floored
+    at ``-GATE_FLOOR_LOG2`` (``exp2`` of it is 0 in float32, so a ``-inf`` channel still resets,
+    and differences of cumulative sums stay finite); blocks below the diagonal take the row side
+    against the *start* of its sub-block, ``q * exp2(G_i - r_{bi-1})`` (<= 1), the middle factor
+    ``exp2(r_{bi-1} - r_bj)`` (<= 1) and ``KT`` (<= 1); diagonal sub-blocks factor through the
+    sub-block end only for the features whose span over the sub-block is at most
+    ``DIAG_SPAN_MAX_LOG2`` (``e <= 2^span``) and evaluate the others element by element,
+    ``sum_k q_ik k_jk exp2(G_ik - G_jk)`` for ``j <= i`` (exponent <= 0). Nothing overflows.
 
     All sequences advance together chunk by chunk (longest first), vectorised over sequences
     and value heads.
@@ -531,25 +595,32 @@ def kda_chunked_reference(
         bc = load(P.beta)                                              # [n, HV, C]
 
         # ---- 2. log2 gates, cumsum, sub-block references, the e/f factors ----
-        G = torch.cumsum(gc * RCP_LN2, dim=2)                          # [n, HV, C, K], <= 0
+        g2 = gc * RCP_LN2
+        if general_gates:
+            g2 = g2.clamp(min=-GATE_FLOOR_LOG2)                        # -inf -> a finite floor
+        G = torch.cumsum(g2, dim=2)                                    # [n, HV, C, K], <= 0
         r = G[:, :, s - 1::s, :]                                       # [n, HV, nb, K]: r_b
         r_rows = r.repeat_interleave(s, dim=2)                         # r_{b(i)} per row
         f = torch.exp2(r_rows - G)                                     # <= 1
-        e = torch.exp2(G - r_rows)                                     # >= 1
-        QE, KE, KT = qc * e, kc * e, kc * f
+        KT = kc * f
 
         # ---- 3. A_qk, A_kk by sub-block pairs bj <= bi ----
-        A_qk = torch.zeros(n, HV, C, C, device=dev, dtype=dtype)
-        A_kk = torch.zeros(n, HV, C, C, device=dev, dtype=dtype)
-        for bi in range(nb):
-            ri = slice(bi * s, (bi + 1) * s)
-            for bj in range(bi + 1):
-                rj = slice(bj * s, (bj + 1) * s)
-                # decay across the boundary between the sub-blocks: exp2(r_bi - r_bj) <= 1 (1 if bi == bj)
-                between = torch.exp2(r[:, :, bi] - r[:, :, bj]).unsqueeze(-2)    # [n, HV, 1, K]
-                KT_j = (KT[:, :, rj] * between).transpose(-1, -2)                # [n, HV, K, 16]
-                A_qk[:, :, ri, rj] = QE[:, :, ri] @ KT_j
-                A_kk[:, :, ri, rj] = KE[:, :, ri] @ KT_j
+        if general_gates:
+            A_qk, A_kk = _general_gate_scores(qc, kc, G, r, KT, s)
+        else:
+            e = torch.exp2(G - r_rows)                                 # >= 1
+            QE, KE = qc * e, kc * e
+            A_qk = torch.zeros(n, HV, C, C, device=dev, dtype=dtype)
+            A_kk = torch.zeros(n, HV, C, C, device=dev, dtype=dtype)
+            for bi in range(nb):
+                ri = slice(bi * s, (bi + 1) * s)
+                for bj in range(bi + 1):
+                    rj = slice(bj * s, (bj + 1) * s)
+                    # decay across the boundary between the sub-blocks: exp2(r_bi - r_bj) <= 1 (1 if bi == bj)
+                    between = torch.exp2(r[:, :, bi] - r[:, :, bj]).unsqueeze(-2)    # [n, HV, 1, K]
+                    KT_j = (KT[:, :, rj] * between).transpose(-1, -2)                # [n, HV, K, 16]
+                    A_qk[:, :, ri, rj] = QE[:, :, ri] @ KT_j
+                    A_kk[:, :, ri, rj] = KE[:, :, ri] @ KT_j
         # causal masks (where, not multiply: the unused upper part of a diagonal block may be large)
         A_qk = torch.where(causal, A_qk, torch.zeros((), dtype=dtype, device=dev))
         A_kk = torch.where(strict, A_kk, torch.zeros((), dtype=dtype, device=dev)) * bc.unsqueeze(-1)
