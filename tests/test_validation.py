@@ -589,3 +589,22 @@ def test_dense_copies_only_misaligned_or_strided_inputs():
     strided = aligned.transpose(1, 2)
     out = _dense(strided)
     assert out.is_contiguous() and out.data_ptr() % 16 == 0 and torch.equal(out, strided)
+
+
+@pytest.mark.parametrize("case", ["T", "B", "tiles"])
+def test_sm90_refuses_sizes_past_32_bits(case) -> None:
+    """The fused kernel's sizes and grid are 32-bit: larger calls raise instead of truncating
+    (meta tensors: the shapes without the memory)."""
+    big = 2**31
+    shape_q = {"T": (1, big, 1, 128), "B": (big, 1, 1, 128), "tiles": (1, 8, 1, 128)}[case]
+    q = torch.empty(shape_q, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(shape_q[:2] + ((64,) if case == "tiles" else (1,)) + (128,), device="meta",
+                    dtype=torch.bfloat16)
+    num_seqs = 2**26 if case == "tiles" else shape_q[0]
+    with pytest.raises(ValueError, match="sm90") as info:
+        prefill_mod._check_sm90_arguments(q, v, num_seqs, True, False, prefix="")
+    assert ("`q`" in str(info.value)) == (case != "tiles")
+    prefill_mod._check_sm90_arguments(q[:, :8] if case == "T" else q[:8] if case == "B" else q,
+                                      v[:, :8] if case == "T" else v[:8] if case == "B" else v,
+                                      8 if case == "B" else 1 if case == "T" else 2**20, True, False,
+                                      prefix="")

@@ -48,6 +48,7 @@ StateLayout = Literal["kv", "vk"]
 
 _BACKENDS = ("auto", "sm90", "reference")
 _STATE_LAYOUTS = ("kv", "vk")
+_INT32_MAX = 2**31 - 1  # the fused kernel's sizes and grid are 32-bit
 _SAFE_GATE_MIN = -5.0  # safe_gate promises every log decay lies in [-5, 0)
 _SM90_HEAD_DIM = 128
 _SM90_CAPABILITY = (9, 0)
@@ -448,7 +449,8 @@ def _validate_index_values(cu_seqlens: Tensor | None, state_indices: Tensor | No
                 f"pool row {row} for sequences {seqs}", got_is_text=True))
 
 
-def _check_sm90_arguments(q: Tensor, v: Tensor, decays_bounded: bool, pooled: bool, prefix: str) -> None:
+def _check_sm90_arguments(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool, pooled: bool,
+                          prefix: str) -> None:
     """Argument-level limits of the fused kernel (no device queries). Runs after
     :func:`_validate_tensors`, so beta is already float32 or bfloat16 when q is bfloat16, and
     ``has_initial_state`` can only come with ``state_indices`` (``pooled``)."""
@@ -481,6 +483,14 @@ def _check_sm90_arguments(q: Tensor, v: Tensor, decays_bounded: bool, pooled: bo
             prefix + _err("v", f"of head dim V == {_SM90_HEAD_DIM} for the sm90 kernel", v)
             + f"; {_USE_REFERENCE_HINT}"
         )
+    # The kernel's sizes and its grid are 32-bit: T per batch row, B, and the (sequence, value
+    # head) tiles N * HV. Larger calls would be truncated, so they are refused here.
+    if q.shape[1] > _INT32_MAX or q.shape[0] > _INT32_MAX:
+        raise ValueError(prefix + _err("q", f"a tensor whose B and T are at most {_INT32_MAX} for the sm90 kernel", q))
+    if num_seqs * v.shape[2] > _INT32_MAX:
+        raise ValueError(
+            f"{prefix}kda_prefill: sequences x value heads must be at most {_INT32_MAX} for the sm90 "
+            f"kernel (one tile each), got {num_seqs} x {v.shape[2]}; split the batch")
 
 
 def _check_sm90_environment(q: Tensor, prefix: str) -> None:
@@ -516,19 +526,20 @@ class _Plan(NamedTuple):
     state_dtype: torch.dtype  # dtype of a final state kda_prefill allocates (non-pooled)
 
 
-def _choose_backend(q: Tensor, v: Tensor, decays_bounded: bool, pooled: bool, backend: str) -> str:
+def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool, pooled: bool,
+                    backend: str) -> str:
     """"sm90" or "reference" for a validated call; raises where the request cannot be served.
     ``decays_bounded``: every log decay is known to lie in [-5, 0) (``safe_gate``, or a gate in
     the kernel whose ``lower_bound`` is in that range)."""
     if backend == "sm90":
-        _check_sm90_arguments(q, v, decays_bounded, pooled, prefix="")
+        _check_sm90_arguments(q, v, num_seqs, decays_bounded, pooled, prefix="")
         _check_sm90_environment(q, prefix="")
         return "sm90"
     if backend == "reference":
         return "reference"
     if _is_sm90(q.device):  # auto on Hopper: the fused kernel or an explicit error
         prefix = 'backend="auto" chose the sm90 kernel on this Hopper GPU, but: '
-        _check_sm90_arguments(q, v, decays_bounded, pooled, prefix=prefix)
+        _check_sm90_arguments(q, v, num_seqs, decays_bounded, pooled, prefix=prefix)
         _check_sm90_environment(q, prefix=prefix)
         return "sm90"
     return "reference"  # auto on CPU or a non-Hopper device
@@ -580,7 +591,7 @@ def _plan(
     # The lower-bound gate lb * sigmoid(...) lies in (lb, 0): with lb in [-5, 0) the decays are
     # bounded whatever safe_gate says (FLA's chunk_kda passes safe_gate=False by default).
     decays_bounded = safe_gate or (use_gate_in_kernel and lb is not None and _SAFE_GATE_MIN <= lb < 0)
-    chosen = _choose_backend(q, v, decays_bounded, pooled, backend)
+    chosen = _choose_backend(q, v, N, decays_bounded, pooled, backend)
     if final_state is not None:
         state_dtype = final_state.dtype
     elif initial_state is not None and not pooled:
