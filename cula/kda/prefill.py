@@ -679,8 +679,8 @@ def kda_prefill(
     * ``final_state``: caller-owned final-state buffer (non-pooled only, needs
       ``output_final_state=True``; float32 or bfloat16 ``[N, HV, K, V]`` / ``[N, HV, V, K]``).
       Any workspace comes from torch's caching allocator. Buffers must not overlap the inputs.
-    * ``use_beta_sigmoid_in_kernel``: ``beta`` holds logits (float32 or bfloat16); the op uses
-      ``sigmoid(float32(beta))`` (FLA's name). On sm90 the kernel has no flag yet: the op applies
+    * ``use_beta_sigmoid_in_kernel``: ``beta`` holds logits (its dtype as for ``beta`` above); the
+      op uses ``sigmoid(float32(beta))`` (FLA's name): float64 logits are rounded to float32 first. On sm90 the kernel has no flag yet: the op applies
       the sigmoid in one elementwise pass over ``[B, T, HV]`` before the launch.
     * ``check_inputs``: ``None`` (default) checks the values of CPU ``cu_seqlens`` /
       ``state_indices`` and trusts GPU ones (or checks them when ``CULA_CHECK_CU_SEQLENS=1``);
