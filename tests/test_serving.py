@@ -392,7 +392,7 @@ def test_bf16_state_in_and_out(layout, seed) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# sm90: explicit refusals before any launch, and what the Python layer adds
+# sm90: what reaches the kernel (a recording stand-in for the extension)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -406,55 +406,170 @@ def sm90_call(**over: Any) -> dict[str, Any]:
     return kw
 
 
-@pytest.mark.parametrize("backend", ["sm90", "auto"])
-@pytest.mark.parametrize("what", ["state_indices", "has_initial_state", "bf16-pool"])
-def test_sm90_pool_not_implemented(backend, what, monkeypatch) -> None:
-    monkeypatch.setattr(prefill_mod, "_is_sm90", lambda device: True)
-    pool = torch.zeros(3, 4, 128, 128, dtype=torch.bfloat16 if what == "bf16-pool" else torch.float32)
-    over = dict(initial_state=pool, state_indices=torch.tensor([2, -1]), output_final_state=True,
-                backend=backend)
-    if what == "has_initial_state":
-        over["has_initial_state"] = torch.tensor([True, False])
-    before = pool.clone()
-    prefill_mod.LAST_BACKEND = None
-    with pytest.raises(NotImplementedError) as info:
-        kda_prefill(**sm90_call(**over))
-    msg = str(info.value)
-    assert "`state_indices`" in msg and 'backend="reference"' in msg
-    assert torch.equal(pool, before) and prefill_mod.last_backend() is None
+class _RecordingExt:
+    """Stands in for the compiled extension: records the keyword arguments of each launch."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def kda_prefill_sm90(self, **kw: Any) -> None:
+        self.calls.append(kw)
 
 
-def test_sm90_python_layer_adds_sigmoid_state_conversion_and_zero_padding(monkeypatch) -> None:
-    """With a fake extension: beta logits arrive as fp32 sigmoid, a bf16 initial state as fp32,
-    the fp32 final state is converted into the bf16 buffer, and o is zero-filled first (rows past
-    cu_seqlens[-1] are never written by the kernel)."""
+def _fake_sm90(monkeypatch) -> _RecordingExt:
     from cula import _ext
 
-    calls: list[dict[str, Any]] = []
-
-    class FakeExt:
-        @staticmethod
-        def kda_prefill_sm90(**kw):
-            calls.append(kw)
-            assert bool((kw["o"] == 0).all()), "o must be zero-filled before the kernel"
-            kw["o"][:, :5].fill_(1.0)  # the kernel writes the real tokens only
-            kw["final_state"].fill_(0.5)
-
+    ext = _RecordingExt()
+    monkeypatch.setattr(prefill_mod, "_is_sm90", lambda device: True)
     monkeypatch.setattr(prefill_mod, "_check_sm90_environment", lambda q, prefix: None)
-    monkeypatch.setattr(_ext, "get_ext", lambda: FakeExt)
-    logits = torch.randn(1, 6, 4, dtype=torch.bfloat16)
-    h0 = torch.randn(2, 4, 128, 128).to(torch.bfloat16)
-    out = torch.full((1, 6, 4, 128), float("nan"), dtype=torch.bfloat16)
-    fs = torch.empty(2, 4, 128, 128, dtype=torch.bfloat16)
-    o, s = kda_prefill(**sm90_call(beta=logits, cu_seqlens=torch.tensor([0, 2, 5])),
-                       use_beta_sigmoid_in_kernel=True, initial_state=h0, output_final_state=True,
-                       out=out, final_state=fs)
-    (kw,) = calls
-    assert kw["beta"].dtype == torch.float32 and torch.equal(kw["beta"], torch.sigmoid(logits.float()))
-    assert kw["initial_state"].dtype == torch.float32 and torch.equal(kw["initial_state"], h0.float())
-    assert kw["o"].data_ptr() == out.data_ptr() and o is out and s is fs
-    assert bool((o[:, :5] == 1).all()) and bool((o[:, 5:] == 0).all())
-    assert bool((fs == 0.5).all())
+    monkeypatch.setattr(_ext, "get_ext", lambda: ext)
+    return ext
+
+
+@pytest.mark.parametrize("backend", ["sm90", "auto"])
+@pytest.mark.parametrize("what", ["state_indices", "has_initial_state", "bf16-pool"])
+def test_sm90_pool_reaches_the_kernel(backend, what, monkeypatch) -> None:
+    """The pool, its indices and has_initial_state go to the kernel as they are: no gather, no
+    scatter, no dtype conversion (the kernel reads and writes the rows by index)."""
+    ext = _fake_sm90(monkeypatch)
+    pool = torch.zeros(3, 4, 128, 128, dtype=torch.bfloat16 if what == "bf16-pool" else torch.float32)
+    idx = torch.tensor([2, -1])
+    over = dict(initial_state=pool, state_indices=idx, output_final_state=True, backend=backend)
+    if what == "has_initial_state":
+        over["has_initial_state"] = torch.tensor([True, False])
+    o, s = kda_prefill(**sm90_call(**over))
+    (kw,) = ext.calls
+    assert s is pool and kw["state_pool"] is pool and kw["initial_state"] is None
+    assert kw["final_state"] is None and kw["state_indices"] is idx
+    assert (kw["has_initial_state"] is over["has_initial_state"]) if what == "has_initial_state" \
+        else kw["has_initial_state"] is None
+    assert prefill_mod.last_backend() == "sm90"
+
+
+def test_sm90_read_only_pool_goes_as_initial_state(monkeypatch) -> None:
+    ext = _fake_sm90(monkeypatch)
+    pool = torch.zeros(3, 4, 128, 128)
+    o, s = kda_prefill(**sm90_call(initial_state=pool, state_indices=torch.tensor([0, 2]),
+                                   output_final_state=False))
+    (kw,) = ext.calls
+    assert s is None and kw["initial_state"] is pool and kw["state_pool"] is None
+
+
+def test_sm90_python_layer_passes_logits_bf16_states_and_views_through(monkeypatch) -> None:
+    """beta logits, bf16 states and column slices of one fused projection reach the kernel
+    unchanged (the kernel applies the sigmoid, converts the states and reads the strided rows);
+    o is not zero-filled in Python (the kernel writes zeros past cu_seqlens[-1])."""
+    ext = _fake_sm90(monkeypatch)
+    H, HV, K = 2, 4, 128
+    proj = torch.randn(1, 6, 2 * H * K + 2 * HV * K).to(torch.bfloat16)  # token stride 1536
+    q = proj[..., :H * K].view(1, 6, H, K)
+    k = proj[..., H * K:2 * H * K].view(1, 6, H, K)
+    v = proj[..., 2 * H * K:2 * H * K + HV * K].view(1, 6, HV, K)
+    g = proj[..., 2 * H * K + HV * K:2 * H * K + 2 * HV * K].view(1, 6, HV, K)
+    logits = torch.randn(1, 6, HV + 3).to(torch.bfloat16)[..., 1:HV + 1]  # a column slice, stride 7
+    h0 = torch.randn(2, HV, K, K).to(torch.bfloat16)
+    out = torch.full((1, 6, HV, K), float("nan"), dtype=torch.bfloat16)
+    fs = torch.empty(2, HV, K, K, dtype=torch.bfloat16)
+    call = sm90_call(q=q, k=k, v=v, g=-torch.rand(1, 6, HV, K).to(torch.bfloat16), beta=logits,
+                     cu_seqlens=torch.tensor([0, 2, 5]))
+    call.pop("g")
+    o, s = kda_prefill(**call, g=g, use_beta_sigmoid_in_kernel=True, initial_state=h0,
+                       output_final_state=True, out=out, final_state=fs)
+    (kw,) = ext.calls
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", logits)):
+        assert kw[name] is t, f"{name} was copied"
+    assert kw["use_beta_sigmoid_in_kernel"] is True
+    assert kw["initial_state"] is h0 and kw["final_state"] is fs and kw["o"] is out
+    assert o is out and s is fs and bool(torch.isnan(out.float()).all())  # nothing written in Python
+
+
+def test_sm90_python_layer_copies_what_tma_cannot_read(monkeypatch) -> None:
+    """Inputs whose strides TMA cannot take (a token stride that is not a multiple of 8
+    elements, features not contiguous) are copied once, to dense tensors."""
+    ext = _fake_sm90(monkeypatch)
+    q = torch.randn(1, 6, 2, 136).to(torch.bfloat16)[..., :128]      # strides 272, 136: 8 | both
+    k = torch.randn(1, 6, 2, 128).to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+    kda_prefill(**sm90_call(q=q, k=k))
+    (kw,) = ext.calls
+    assert kw["q"] is q                                                # readable as it is
+    assert kw["k"] is k                                                # strides (1536, 128, 768, 1)
+    odd = torch.randn(1, 6, 2, 129).to(torch.bfloat16)[..., :128]    # head stride 129: not 8 | 129
+    kda_prefill(**sm90_call(q=odd))
+    assert kw is not ext.calls[-1] and ext.calls[-1]["q"].is_contiguous()
+    assert torch.equal(ext.calls[-1]["q"], odd)
+
+
+def _binding_rejects(kw: dict[str, Any]) -> list[str]:
+    """The layout assertions of csrc/api/kda_prefill_binding.cpp (tma_strides, the beta check,
+    check_state and the equal row strides), in Python: what the op passes must satisfy them,
+    or a valid call ends in an internal assertion of the extension."""
+    bad = []
+    q = kw["q"]
+    B, T = q.shape[0], q.shape[1]
+    for name in ("q", "k", "v", "g"):
+        t = kw[name]
+        s = t.stride()
+        if B * T == 0:
+            continue
+        if not (s[3] == 1 and s[1] % 8 == 0 and s[2] % 8 == 0 and s[1] > 0 and s[2] > 0
+                and (B == 1 or s[0] == T * s[1]) and t.data_ptr() % 16 == 0):
+            bad.append(name)
+    b = kw["beta"]
+    if B * T > 0 and not (b.stride(2) == 1 and b.stride(1) > 0 and (B == 1 or b.stride(0) == T * b.stride(1))):
+        bad.append("beta")
+    strides = []
+    for name in ("initial_state", "final_state", "state_pool"):
+        t = kw[name]
+        if t is None:
+            continue
+        hv, a, c = t.shape[1:]
+        st = t.stride()
+        if not (st[3] == 1 and st[2] == c and st[1] == a * c and st[0] >= hv * a * c and st[0] % 4 == 0
+                and t.data_ptr() % 16 == 0):
+            bad.append(name)
+        strides.append(st[0])
+    if kw["state_indices"] is None and len(set(strides)) > 1:
+        bad.append("row strides")
+    return bad
+
+
+def _edge_layouts() -> dict[str, dict[str, Any]]:
+    bf16 = torch.bfloat16
+    e = {}
+    # B > 1 with no token: dense [B, 0, H, 128] tensors have stride(0) != T * stride(1) = 0.
+    e["B2-T0"] = dict(q=torch.randn(2, 0, 2, 128, dtype=bf16), k=torch.randn(2, 0, 2, 128, dtype=bf16),
+                      v=torch.randn(2, 0, 4, 128, dtype=bf16), g=-torch.rand(2, 0, 4, 128).to(bf16),
+                      beta=torch.rand(2, 0, 4), cu_seqlens=None, initial_state=torch.randn(2, 4, 128, 128),
+                      output_final_state=True)
+    # T == 1 from a transpose: contiguous by torch's rule, token stride 128 != stride(0) / T.
+    t1 = lambda h: torch.randn(2, h, 1, 128).to(bf16).transpose(1, 2)  # noqa: E731
+    e["B2-T1-transposed"] = dict(q=t1(2), k=t1(2), v=t1(4), g=-t1(4).abs(),
+                                 beta=torch.rand(2, 4, 1).transpose(1, 2), cu_seqlens=None)
+    # N == 1 initial state with stride(0) == 0 (contiguous by torch's rule: a dimension of size 1).
+    h = torch.randn(4, 128, 128).as_strided((1, 4, 128, 128), (0, 128 * 128, 128, 1))
+    e["N1-state-stride-0"] = dict(cu_seqlens=None, initial_state=h, output_final_state=True)
+    # A dense initial state and a final-state buffer with padded rows (both valid on their own).
+    fs = torch.empty(2, 4 * 128 * 128 + 64)[:, :4 * 128 * 128].unflatten(1, (4, 128, 128))
+    e["padded-final-state"] = dict(initial_state=torch.randn(2, 4, 128, 128), final_state=fs,
+                                   output_final_state=True)
+    padded = torch.randn(2, 4 * 128 * 128 + 64)[:, :4 * 128 * 128].unflatten(1, (4, 128, 128))
+    e["padded-initial-state"] = dict(initial_state=padded, output_final_state=True)
+    return e
+
+
+@pytest.mark.parametrize("case", list(_edge_layouts()))
+def test_sm90_python_layer_satisfies_the_binding(case, monkeypatch) -> None:
+    """Valid calls whose layouts are edge cases (no token with B > 1, T == 1 views with any token
+    stride, expanded states, different initial/final row strides): what reaches the extension
+    passes its layout assertions, and copies keep the values."""
+    ext = _fake_sm90(monkeypatch)
+    over = _edge_layouts()[case]
+    kda_prefill(**sm90_call(**over))
+    (kw,) = ext.calls
+    assert _binding_rejects(kw) == []
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        if over.get(name) is not None:
+            assert torch.equal(kw[name], over[name])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -599,8 +714,6 @@ def test_cuda_graph_bucket_replay_dense_state_sm90(seed) -> None:
 
 
 @pytest.mark.gpu_sm90
-@pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                   reason="the sm90 kernel does not read/write a state pool by index yet")
 def test_cuda_graph_bucket_replay_pooled_sm90(seed) -> None:
     """The serving contract proper: the pool read/written in place by index inside a captured
     bucket, replayed with new lengths and indices; each replay equals the eager call."""
@@ -611,7 +724,7 @@ def test_cuda_graph_bucket_replay_pooled_sm90(seed) -> None:
     o = torch.empty(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
     call = lambda p: kda_prefill(**x, initial_state=p, state_indices=idx, output_final_state=True,  # noqa: E731
                                  cu_seqlens=cu, out=o, **opts)
-    call(pool.clone())  # raises NotImplementedError today
+    call(pool.clone())  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call(pool)
@@ -654,3 +767,132 @@ def test_example_graph_buckets_gather_scatter_sm90(seed) -> None:
         assert rel(o, o_ref) < 5e-3
         rows = [slots.row(r.rid) for r in requests]
         assert rel(pool[rows], pool_ref[rows]) < 5e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused kernel's side of the contract (gpu_sm90): each against the reference backend on the
+# same inputs (the reference is the fp32 recurrence; the kernel's bf16 operands give ~3e-3).
+# ------------------------------------------------------------------------------------------------
+
+_SM90_TOL = 5e-3
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _sm90_inputs(T: int, H_: int = 2, HV_: int = 4, logits: bool = False) -> tuple[dict, dict]:
+    dev, bf16 = "cuda", torch.bfloat16
+    x = dict(q=torch.randn(1, T, H_, 128, device=dev, dtype=bf16),
+             k=torch.randn(1, T, H_, 128, device=dev, dtype=bf16),
+             v=torch.randn(1, T, HV_, 128, device=dev, dtype=bf16),
+             g=torch.randn(1, T, HV_, 128, device=dev, dtype=bf16),
+             beta=torch.randn(1, T, HV_, device=dev) if logits else torch.rand(1, T, HV_, device=dev))
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                A_log=0.1 * torch.randn(HV_, device=dev), dt_bias=0.1 * torch.randn(HV_ * 128, device=dev),
+                safe_gate=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=logits)
+    return x, opts
+
+
+@pytest.mark.gpu_sm90
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("row_pad", [0, 64], ids=["dense", "padded-stride"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_sm90_pool_matches_reference(layout, dtype, row_pad, idx_dtype, seed) -> None:
+    """Pool rows read and written in place by the kernel: pad slots (negative, and past S when
+    trusted), has_initial_state False, an empty sequence; untouched rows stay bitwise."""
+    cu = [0, 100, 100, 101, 230, 300]
+    idx = [3, -1, 0, 5, 9]                    # 9 >= S: a pad slot (check_inputs=False)
+    has = [True, True, False, True, True]
+    x, opts = _sm90_inputs(300)
+    row = 4 * 128 * 128
+    base = (0.1 * torch.randn(6, row + row_pad, device="cuda")).to(dtype)
+    pool = base[:, :row].unflatten(1, (4, 128, 128))
+    ref_pool = pool.clone()
+    padding = base[:, row:].clone()
+    kw = dict(state_indices=torch.tensor(idx, dtype=idx_dtype, device="cuda"),
+              has_initial_state=torch.tensor(has, device="cuda"), output_final_state=True,
+              cu_seqlens=torch.tensor(cu, dtype=torch.int32, device="cuda"), state_layout=layout,
+              check_inputs=False, **opts)
+    o_ref, _ = kda_prefill(**x, initial_state=ref_pool, backend="reference", **kw)
+    before = pool.clone()
+    o, state = kda_prefill(**x, initial_state=pool, backend="sm90", **kw)
+    torch.cuda.synchronize()
+    assert state is pool
+    assert torch.equal(pool[[1, 2, 4]], before[[1, 2, 4]]), "rows of no real slot changed"
+    assert _rel(o, o_ref) <= _SM90_TOL
+    assert _rel(pool[[0, 3, 5]], ref_pool[[0, 3, 5]]) <= _SM90_TOL
+    assert torch.equal(base[:, row:], padding), "the row padding of the pool is not the kernel's"
+
+
+@pytest.mark.gpu_sm90
+@pytest.mark.parametrize("beta_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sm90_beta_logits_match_reference(beta_dtype, seed) -> None:
+    x, opts = _sm90_inputs(200, logits=True)
+    x["beta"] = x["beta"].to(beta_dtype)
+    cu = torch.tensor([0, 70, 200], dtype=torch.int32, device="cuda")
+    o_ref, s_ref = kda_prefill(**x, **opts, cu_seqlens=cu, output_final_state=True, backend="reference")
+    o, s = kda_prefill(**x, **opts, cu_seqlens=cu, output_final_state=True, backend="sm90")
+    assert _rel(o, o_ref) <= _SM90_TOL and _rel(s, s_ref) <= _SM90_TOL
+
+
+@pytest.mark.gpu_sm90
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_sm90_bf16_states_match_reference(layout, seed) -> None:
+    x, opts = _sm90_inputs(150)
+    h0 = (0.1 * torch.randn(2, 4, 128, 128, device="cuda")).to(torch.bfloat16)
+    cu = torch.tensor([0, 64, 150], dtype=torch.int32, device="cuda")
+    o_ref, s_ref = kda_prefill(**x, **opts, initial_state=h0, cu_seqlens=cu, output_final_state=True,
+                               state_layout=layout, backend="reference")
+    o, s = kda_prefill(**x, **opts, initial_state=h0, cu_seqlens=cu, output_final_state=True,
+                       state_layout=layout, backend="sm90")
+    assert s.dtype == torch.bfloat16 and s_ref.dtype == torch.bfloat16
+    assert _rel(o, o_ref) <= _SM90_TOL and _rel(s.float(), s_ref.float()) <= _SM90_TOL
+
+
+@pytest.mark.gpu_sm90
+def test_sm90_strided_views_read_in_place(seed) -> None:
+    """Column slices of one fused projection: the kernel reads them through the TMA strides and
+    gives bitwise the result of the same values made dense."""
+    T, H_, HV_ = 300, 2, 4
+    proj = torch.randn(1, T, 2 * H_ * 128 + 2 * HV_ * 128, device="cuda").to(torch.bfloat16)
+    widths = [H_ * 128, H_ * 128, HV_ * 128, HV_ * 128]
+    q, k, v, g = (t.unflatten(2, (-1, 128)) for t in proj.split(widths, dim=2))
+    beta = torch.rand(1, T, HV_ + 4, device="cuda")[..., 2:HV_ + 2]
+    _, opts = _sm90_inputs(1)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+    o1, s1 = kda_prefill(q, k, v, g, beta, **opts, cu_seqlens=cu, output_final_state=True, backend="sm90")
+    o2, s2 = kda_prefill(*(t.contiguous() for t in (q, k, v, g, beta)), **opts, cu_seqlens=cu,
+                         output_final_state=True, backend="sm90")
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
+@pytest.mark.gpu_sm90
+def test_sm90_rows_past_cu_seqlens_are_zero(seed) -> None:
+    """A padded bucket: the kernel writes zeros into the rows past cu_seqlens[-1] (o holds NaN
+    before the call); the real rows match the reference."""
+    x, opts = _sm90_inputs(256)
+    cu = torch.tensor([0, 30, 130], dtype=torch.int32, device="cuda")
+    out = torch.full((1, 256, 4, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    o, _ = kda_prefill(**x, **opts, cu_seqlens=cu, out=out, backend="sm90")
+    o_ref, _ = kda_prefill(**x, **opts, cu_seqlens=cu, backend="reference")
+    torch.cuda.synchronize()
+    assert bool((o[:, 130:] == 0).all())
+    assert _rel(o[:, :130], o_ref[:, :130]) <= _SM90_TOL
+
+
+@pytest.mark.gpu_sm90
+def test_sm90_no_tokens_moves_pool_rows_only(seed) -> None:
+    """T = 0 (every sequence empty): the final state of each real slot is its initial state."""
+    x, opts = _sm90_inputs(0)
+    pool = 0.1 * torch.randn(4, 4, 128, 128, device="cuda")
+    before = pool.clone()
+    kda_prefill(**x, **opts, initial_state=pool, state_indices=torch.tensor([2, -1, 0], device="cuda"),
+                has_initial_state=torch.tensor([False, True, True], device="cuda"),
+                cu_seqlens=torch.zeros(4, dtype=torch.int32, device="cuda"), output_final_state=True,
+                backend="sm90")
+    torch.cuda.synchronize()
+    assert bool((pool[2] == 0).all()), "has_initial_state False: zeros, written back"
+    assert torch.equal(pool[[0, 1, 3]], before[[0, 1, 3]])

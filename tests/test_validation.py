@@ -520,12 +520,14 @@ def test_hopper_without_extension_raises(monkeypatch) -> None:
 #: The extension's calling convention: keyword-only arguments with these names (the names of the
 #: op's schema; ``state_v_first`` is ``state_layout == "vk"``).
 EXT_ARGUMENTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
-                 "o", "final_state", "scale", "lower_bound", "use_gate_in_kernel",
-                 "use_qk_l2norm_in_kernel", "state_v_first")
+                 "state_indices", "has_initial_state", "o", "final_state", "state_pool", "scale",
+                 "lower_bound", "use_gate_in_kernel", "use_qk_l2norm_in_kernel",
+                 "use_beta_sigmoid_in_kernel", "state_v_first")
 
 
 def test_sm90_dispatch_calls_extension_with_documented_arguments(monkeypatch) -> None:
-    """The fused backend gets dense inputs, caller-owned outputs and named arguments only."""
+    """The fused backend gets inputs it can read (views with TMA-compatible strides as they
+    are), caller-owned outputs and named arguments only."""
     from cula import _ext
 
     calls: list[dict[str, Any]] = []
@@ -545,7 +547,7 @@ def test_sm90_dispatch_calls_extension_with_documented_arguments(monkeypatch) ->
                       cu_seqlens=torch.tensor([0, 5]), initial_state=torch.zeros(1, 4, 128, 128),
                       state_layout="vk", output_final_state=True, use_qk_l2norm_in_kernel=True,
                       backend="sm90", scale=0.25)
-    kw["q"] = kw["q"].transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous, same values
+    kw["q"] = kw["q"].transpose(1, 2).contiguous().transpose(1, 2)  # a strided view TMA reads as is
     snap = snapshot(kw)
     o, ht = kda_prefill(**kw)
     assert_unchanged(kw, snap)
@@ -554,16 +556,19 @@ def test_sm90_dispatch_calls_extension_with_documented_arguments(monkeypatch) ->
     assert ht.shape == (1, 4, 128, 128) and ht.dtype == torch.float32 and bool((ht == 2).all())
     (args,) = calls
     assert tuple(args) == EXT_ARGUMENTS
-    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"):
+    assert args["q"] is kw["q"] and not args["q"].is_contiguous()
+    for name in ("k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"):
         assert args[name].is_contiguous() and args[name].data_ptr() % 16 == 0, name
         if name == "dt_bias":
             assert args[name].shape == (4 * 128,)
         else:
             assert torch.equal(args[name], kw[name]), name
     assert args["o"].data_ptr() == o.data_ptr() and args["final_state"].data_ptr() == ht.data_ptr()
-    options = {n: args[n] for n in EXT_ARGUMENTS[11:]}
+    assert args["state_indices"] is None and args["has_initial_state"] is None and args["state_pool"] is None
+    options = {n: args[n] for n in EXT_ARGUMENTS[14:]}
     assert options == dict(scale=0.25, lower_bound=-5.0, use_gate_in_kernel=True,
-                           use_qk_l2norm_in_kernel=True, state_v_first=True)
+                           use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=False,
+                           state_v_first=True)
     # auto on a Hopper GPU with supported arguments picks the kernel too
     kw.update(backend="auto", output_final_state=False, state_layout="kv")
     monkeypatch.setattr(prefill_mod, "_is_sm90", lambda device: True)

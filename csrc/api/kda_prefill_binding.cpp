@@ -4,13 +4,16 @@
 // relies on to stay inside its tensors (devices, layouts, dtypes, shapes), fills
 // KdaPrefillParams and launches on the current stream of the inputs' device.
 //
-// The arguments are keyword-only and carry the names of the op's schema; the outputs o and
-// final_state are caller-owned and written in place (nothing is allocated here).
+// The arguments are keyword-only and carry the names of the op's schema; the outputs o,
+// final_state and state_pool are caller-owned and written in place (nothing is allocated here).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kda/sm90/kda_prefill_sm90.h"
@@ -23,22 +26,44 @@
 
 namespace {
 
-void assert_dense_on(const at::Tensor& t, const char* name, const at::Device& device) {
+void assert_on(const at::Tensor& t, const char* name, const at::Device& device) {
   CULA_ASSERT(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
   CULA_ASSERT(t.device() == device, name, " must be on q's device ", device, ", got ", t.device());
+}
+
+void assert_dense_on(const at::Tensor& t, const char* name, const at::Device& device) {
+  assert_on(t, name, device);
   CULA_ASSERT(t.is_contiguous(), name, " must be contiguous");
   CULA_ASSERT(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must start on a 16-byte boundary");
+}
+
+// q, k, v, g [B, T, heads, 128] as the kernel's TMA reads them: features contiguous, token and
+// head strides multiples of 8 elements (16 bytes), 16-byte aligned base, batch rows T token
+// strides apart (the kernel flattens B and T). Returns {token stride, head stride}. With no token
+// (B*T == 0) nothing is read and no descriptor is built: any strides (and a null data pointer)
+// pass, and {0, 0} (dense) is returned. cula/kda/op.py `_tma_ready` makes the same decision.
+std::pair<int64_t, int64_t> tma_strides(const at::Tensor& t, const char* name, const at::Device& device) {
+  assert_on(t, name, device);
+  if (t.size(0) * t.size(1) == 0) return {0, 0};
+  CULA_ASSERT(t.stride(3) == 1, name, " must have its last dimension contiguous");
+  CULA_ASSERT(t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0 && t.stride(1) > 0 && t.stride(2) > 0, name,
+              " must have token and head strides that are positive multiples of 8 elements, got ", t.strides());
+  CULA_ASSERT(t.size(0) == 1 || t.stride(0) == t.size(1) * t.stride(1), name,
+              " must have batch rows T token strides apart, got ", t.strides());
+  CULA_ASSERT(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must start on a 16-byte boundary");
+  return {t.stride(1), t.stride(2)};
 }
 
 void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                       const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
                       const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& initial_state,
-                      const std::optional<at::Tensor>& cu_seqlens, const at::Tensor& o,
-                      const std::optional<at::Tensor>& final_state, double scale, std::optional<double> lower_bound,
-                      bool use_gate_in_kernel, bool use_qk_l2norm_in_kernel, bool state_v_first) {
+                      const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& state_indices,
+                      const std::optional<at::Tensor>& has_initial_state, const at::Tensor& o,
+                      const std::optional<at::Tensor>& final_state, const std::optional<at::Tensor>& state_pool,
+                      double scale, std::optional<double> lower_bound, bool use_gate_in_kernel,
+                      bool use_qk_l2norm_in_kernel, bool use_beta_sigmoid_in_kernel, bool state_v_first) {
   const at::Device device = q.device();
-  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}, {&o, "o"}})
-    assert_dense_on(*t, name, device);
+  assert_dense_on(o, "o", device);
   CULA_ASSERT(q.dim() == 4 && k.sizes() == q.sizes(), "q and k must be [B, T, H, K], got ", q.sizes(), " and ",
               k.sizes());
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3);
@@ -55,6 +80,17 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               "beta must be float32 or bfloat16, got ", beta.scalar_type());
 
   cula::kda::KdaPrefillParams p;
+  std::tie(p.q_token_stride, p.q_head_stride) = tma_strides(q, "q", device);
+  std::tie(p.k_token_stride, p.k_head_stride) = tma_strides(k, "k", device);
+  std::tie(p.v_token_stride, p.v_head_stride) = tma_strides(v, "v", device);
+  std::tie(p.g_token_stride, p.g_head_stride) = tma_strides(g, "g", device);
+  assert_on(beta, "beta", device);
+  if (B * T > 0) {  // no token: beta is never read (cula/kda/op.py `_beta_ready` agrees)
+    CULA_ASSERT(beta.stride(2) == 1 && beta.stride(1) > 0 && (B == 1 || beta.stride(0) == T * beta.stride(1)),
+                "beta must have its heads contiguous and batch rows T token strides apart, got ", beta.strides());
+    p.beta_token_stride = beta.stride(1);
+  }
+
   int64_t N = B;
   if (cu_seqlens.has_value()) {
     const at::Tensor& cu = *cu_seqlens;
@@ -66,17 +102,71 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     p.cu_seqlens = cu.data_ptr();
     p.cu_seqlens_is_int64 = cu.scalar_type() == at::kLong;
   }
-  const std::vector<int64_t> state_shape =
-      state_v_first ? std::vector<int64_t>{N, HV, V, K} : std::vector<int64_t>{N, HV, K, V};
-  for (auto [t, name] : {std::pair{&initial_state, "initial_state"}, {&final_state, "final_state"}}) {
-    if (!t->has_value()) continue;
-    assert_dense_on(**t, name, device);
-    CULA_ASSERT((*t)->scalar_type() == at::kFloat && (*t)->sizes() == at::IntArrayRef(state_shape), name,
-                " must be float32 ", at::IntArrayRef(state_shape), ", got ", (*t)->scalar_type(), " ",
-                (*t)->sizes());
+
+  // States: fp32 or bf16, one (slot, head) state per K*V block with the heads dense. Without
+  // state_indices the slots are the sequences ([N, HV, ...] tensors); with it, initial_state (read
+  // only) or state_pool (read and written in place) is a pool [S, HV, ...] whose rows may be
+  // further apart than HV*K*V.
+  const std::vector<int64_t> head_shape = state_v_first ? std::vector<int64_t>{HV, V, K} : std::vector<int64_t>{HV, K, V};
+  auto check_state = [&](const at::Tensor& t, const char* name, int64_t rows) {
+    assert_on(t, name, device);
+    CULA_ASSERT(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+                " must be float32 or bfloat16, got ", t.scalar_type());
+    CULA_ASSERT(t.dim() == 4 && t.size(1) == head_shape[0] && t.size(2) == head_shape[1] && t.size(3) == head_shape[2] &&
+                    (rows < 0 || t.size(0) == rows),
+                name, " must be [", rows < 0 ? "S" : std::to_string(rows), ", ", at::IntArrayRef(head_shape), "], got ",
+                t.sizes());
+    CULA_ASSERT(t.stride(3) == 1 && t.stride(2) == head_shape[2] && t.stride(1) == head_shape[1] * head_shape[2] &&
+                    t.stride(0) >= HV * K * V && t.stride(0) % 4 == 0,
+                name, " must have dense rows (stride(0) >= HV*K*V, a multiple of 4), got ", t.strides());
+    CULA_ASSERT(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must start on a 16-byte boundary");
+  };
+  if (state_indices.has_value()) {
+    const at::Tensor& idx = *state_indices;
+    assert_dense_on(idx, "state_indices", device);
+    CULA_ASSERT(idx.dim() == 1 && idx.size(0) == N && (idx.scalar_type() == at::kInt || idx.scalar_type() == at::kLong),
+                "state_indices must be int32 or int64 [N], got ", idx.scalar_type(), " ", idx.sizes());
+    CULA_ASSERT(state_pool.has_value() != initial_state.has_value(),
+                "with state_indices, the pool is state_pool (written) or initial_state (read only)");
+    CULA_ASSERT(!final_state.has_value(), "with state_indices, final states go into the pool");
+    const at::Tensor& pool = state_pool.has_value() ? *state_pool : *initial_state;
+    check_state(pool, state_pool.has_value() ? "state_pool" : "initial_state", -1);
+    p.state_indices = idx.data_ptr();
+    p.state_indices_is_int64 = idx.scalar_type() == at::kLong;
+    p.num_state_slots = int(pool.size(0));
+    p.state_slot_stride = pool.stride(0);
+    p.initial_state = pool.data_ptr();
+    p.initial_state_is_bf16 = pool.scalar_type() == at::kBFloat16;
+    if (state_pool.has_value()) {
+      p.final_state = pool.data_ptr();
+      p.final_state_is_bf16 = p.initial_state_is_bf16;
+    }
+  } else {
+    CULA_ASSERT(!state_pool.has_value(), "state_pool needs state_indices");
+    int64_t stride = 0;
+    if (initial_state.has_value()) {
+      check_state(*initial_state, "initial_state", N);
+      p.initial_state = initial_state->data_ptr();
+      p.initial_state_is_bf16 = initial_state->scalar_type() == at::kBFloat16;
+      stride = initial_state->stride(0);
+    }
+    if (final_state.has_value()) {
+      check_state(*final_state, "final_state", N);
+      p.final_state = final_state->data_ptr();
+      p.final_state_is_bf16 = final_state->scalar_type() == at::kBFloat16;
+      CULA_ASSERT(stride == 0 || final_state->stride(0) == stride,
+                  "initial_state and final_state must have the same row stride");
+      stride = final_state->stride(0);
+    }
+    p.state_slot_stride = stride;
   }
-  if (initial_state.has_value()) p.initial_state = initial_state->data_ptr<float>();
-  if (final_state.has_value()) p.final_state = final_state->data_ptr<float>();
+  if (has_initial_state.has_value()) {
+    const at::Tensor& h = *has_initial_state;
+    assert_dense_on(h, "has_initial_state", device);
+    CULA_ASSERT(h.scalar_type() == at::kBool && h.dim() == 1 && h.size(0) == N, "has_initial_state must be bool [N]");
+    p.has_initial_state = h.data_ptr<bool>();
+  }
+
   if (use_gate_in_kernel) {
     // The kernel implements the lower-bound gate form only (its range is the Python API's rule).
     CULA_ASSERT(lower_bound.has_value(), "use_gate_in_kernel needs lower_bound");
@@ -112,6 +202,7 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   p.use_gate_in_kernel = use_gate_in_kernel;
   p.use_qk_l2norm = use_qk_l2norm_in_kernel;
   p.beta_is_bf16 = beta.scalar_type() == at::kBFloat16;
+  p.beta_sigmoid = use_beta_sigmoid_in_kernel;
   p.state_vk = state_v_first;
 
   const cudaError_t err = cula::kda::kda_prefill_sm90(p, at::cuda::getCurrentCUDAStream(device.index()));
@@ -127,7 +218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused KDA prefill forward on SM90 into caller-owned o / final_state: the CUDA implementation "
         "of the op cula::kda_prefill (call cula.kda.kda_prefill). Keyword arguments only.",
         py::kw_only(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("A_log"),
-        py::arg("dt_bias"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("o"), py::arg("final_state"),
-        py::arg("scale"), py::arg("lower_bound"), py::arg("use_gate_in_kernel"), py::arg("use_qk_l2norm_in_kernel"),
-        py::arg("state_v_first"));
+        py::arg("dt_bias"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("state_indices"),
+        py::arg("has_initial_state"), py::arg("o"), py::arg("final_state"), py::arg("state_pool"), py::arg("scale"),
+        py::arg("lower_bound"), py::arg("use_gate_in_kernel"), py::arg("use_qk_l2norm_in_kernel"),
+        py::arg("use_beta_sigmoid_in_kernel"), py::arg("state_v_first"));
 }

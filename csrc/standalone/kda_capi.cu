@@ -36,6 +36,7 @@ extern "C" int cula_kda_prefill_sm90(const void* q, const void* k, const void* v
   p.beta_is_bf16 = flags & CULA_KDA_BETA_BF16;
   p.cu_seqlens_is_int64 = flags & CULA_KDA_CU_SEQLENS_INT64;
   p.state_vk = flags & CULA_KDA_STATE_VK;
+  p.beta_sigmoid = flags & CULA_KDA_BETA_SIGMOID;
   return int(cula::kda::kda_prefill_sm90(p, static_cast<cudaStream_t>(stream)));
 }
 

@@ -11,6 +11,7 @@ enum {
   CULA_KDA_BETA_BF16 = 4,
   CULA_KDA_CU_SEQLENS_INT64 = 8,
   CULA_KDA_STATE_VK = 16,
+  CULA_KDA_BETA_SIGMOID = 32,  // beta holds logits: the kernel applies the sigmoid
 };
 
 int cula_kda_prefill_sm90(const void* q, const void* k, const void* v, const void* g, const void* beta,

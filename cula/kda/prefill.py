@@ -449,17 +449,10 @@ def _validate_index_values(cu_seqlens: Tensor | None, state_indices: Tensor | No
                 f"pool row {row} for sequences {seqs}", got_is_text=True))
 
 
-def _check_sm90_arguments(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool, pooled: bool,
+def _check_sm90_arguments(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool,
                           prefix: str) -> None:
     """Argument-level limits of the fused kernel (no device queries). Runs after
-    :func:`_validate_tensors`, so beta is already float32 or bfloat16 when q is bfloat16, and
-    ``has_initial_state`` can only come with ``state_indices`` (``pooled``)."""
-    if pooled:
-        raise NotImplementedError(
-            f"{prefix}kda_prefill: `state_indices` (a state pool read and written in place by "
-            "index) is not supported by the sm90 kernel yet; gather the rows into a dense "
-            "initial_state yourself, or " + _USE_REFERENCE_HINT
-        )
+    :func:`_validate_tensors`, so beta is already float32 or bfloat16 when q is bfloat16."""
     if not decays_bounded:
         raise NotImplementedError(
             f"{prefix}kda_prefill: `safe_gate` must be True for the sm90 kernel, got False. The "
@@ -526,20 +519,20 @@ class _Plan(NamedTuple):
     state_dtype: torch.dtype  # dtype of a final state kda_prefill allocates (non-pooled)
 
 
-def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool, pooled: bool,
+def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool,
                     backend: str) -> str:
     """"sm90" or "reference" for a validated call; raises where the request cannot be served.
     ``decays_bounded``: every log decay is known to lie in [-5, 0) (``safe_gate``, or a gate in
     the kernel whose ``lower_bound`` is in that range)."""
     if backend == "sm90":
-        _check_sm90_arguments(q, v, num_seqs, decays_bounded, pooled, prefix="")
+        _check_sm90_arguments(q, v, num_seqs, decays_bounded, prefix="")
         _check_sm90_environment(q, prefix="")
         return "sm90"
     if backend == "reference":
         return "reference"
     if _is_sm90(q.device):  # auto on Hopper: the fused kernel or an explicit error
         prefix = 'backend="auto" chose the sm90 kernel on this Hopper GPU, but: '
-        _check_sm90_arguments(q, v, num_seqs, decays_bounded, pooled, prefix=prefix)
+        _check_sm90_arguments(q, v, num_seqs, decays_bounded, prefix=prefix)
         _check_sm90_environment(q, prefix=prefix)
         return "sm90"
     return "reference"  # auto on CPU or a non-Hopper device
@@ -591,7 +584,7 @@ def _plan(
     # The lower-bound gate lb * sigmoid(...) lies in (lb, 0): with lb in [-5, 0) the decays are
     # bounded whatever safe_gate says (FLA's chunk_kda passes safe_gate=False by default).
     decays_bounded = safe_gate or (use_gate_in_kernel and lb is not None and _SAFE_GATE_MIN <= lb < 0)
-    chosen = _choose_backend(q, v, N, decays_bounded, pooled, backend)
+    chosen = _choose_backend(q, v, N, decays_bounded, backend)
     if final_state is not None:
         state_dtype = final_state.dtype
     elif initial_state is not None and not pooled:
@@ -672,7 +665,8 @@ def kda_prefill(
       value is then the pool itself. An index < 0 is a pad slot: zero initial state, nothing
       written. Real indices must be < S and distinct (checked like ``cu_seqlens``; trusted
       out-of-range indices are treated as pad slots by the reference; duplicates are undefined).
-      Reference backend only for now (sm90: ``NotImplementedError``).
+      Both backends (the sm90 kernel reads and writes the rows by index: no gather or scatter
+      copies).
     * ``has_initial_state``: bool ``[N]`` (only with ``state_indices``): False starts sequence
       ``n`` from zeros instead of its pool row (the row is still written).
     * ``out``: caller-owned ``o`` (``[B, T, HV, V]``, q's dtype, q's device); returned as is.
@@ -680,8 +674,8 @@ def kda_prefill(
       ``output_final_state=True``; float32 or bfloat16 ``[N, HV, K, V]`` / ``[N, HV, V, K]``).
       Any workspace comes from torch's caching allocator. Buffers must not overlap the inputs.
     * ``use_beta_sigmoid_in_kernel``: ``beta`` holds logits (its dtype as for ``beta`` above); the
-      op uses ``sigmoid(float32(beta))`` (FLA's name): float64 logits are rounded to float32 first. On sm90 the kernel has no flag yet: the op applies
-      the sigmoid in one elementwise pass over ``[B, T, HV]`` before the launch.
+      op uses ``sigmoid(float32(beta))`` (FLA's name): float64 logits are rounded to float32 first.
+      The sm90 kernel applies it as it loads beta.
     * ``check_inputs``: ``None`` (default) checks the values of CPU ``cu_seqlens`` /
       ``state_indices`` and trusts GPU ones (or checks them when ``CULA_CHECK_CU_SEQLENS=1``);
       ``True`` checks GPU ones too (one host sync: not inside a CUDA graph capture); ``False``
@@ -692,8 +686,8 @@ def kda_prefill(
     (``[N, HV, K, V]`` or ``[N, HV, V, K]``): the ``final_state`` buffer when given, else a new
     tensor in ``initial_state``'s dtype (float32 without one); the pool itself with
     ``state_indices``; ``None`` unless ``output_final_state=True``. States are float32 inside
-    the computation; a bfloat16 state is converted on the way in and out (on sm90 by one copy
-    each, non-pooled only).
+    the computation; a bfloat16 state is widened as it is read and rounded as it is written
+    (by the kernel itself on sm90).
 
     Args:
         scale: output scale, finite and > 0; default ``K ** -0.5``.
@@ -718,10 +712,12 @@ def kda_prefill(
             :func:`last_backend` tells which backend served the last call.
 
     Strided inputs (e.g. q, k, v, g, beta as views of one fused projection) are accepted on both
-    backends; the reference computes on dense copies, and the sm90 path still copies every
-    non-contiguous or misaligned input to a dense tensor first (one extra copy each; the kernel
-    does not read strided rows yet). With ``cu_seqlens`` the sm90 path zero-fills ``o`` before
-    the launch (the kernel writes only the rows of its sequences). Inputs are never modified.
+    backends; the reference computes on dense copies. The sm90 kernel reads q, k, v, g in place
+    when their features are contiguous, their token and head strides are multiples of 8
+    elements (16 bytes), their start is 16-byte aligned and batch rows are ``T`` token strides
+    apart, and beta when its heads are contiguous; other layouts are copied once to dense
+    tensors. With ``cu_seqlens`` the rows of ``o`` past ``cu_seqlens[-1]`` are written with
+    zeros (by the kernel on sm90). Inputs are never modified.
     Validation happens before anything runs or is allocated: bad arguments
     raise ``TypeError``/``ValueError`` naming the argument; arguments outside the sm90 kernel's
     coverage raise ``NotImplementedError``/``TypeError``/``ValueError`` pointing to

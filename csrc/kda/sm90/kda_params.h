@@ -8,20 +8,44 @@
 namespace cula::kda {
 
 struct KdaPrefillParams {
-  // ---- inputs (device pointers, all contiguous) ----------------------------------------
+  // ---- inputs (device pointers) ----------------------------------------------------------
+  // q, k, v, g: bf16 with the feature dimension contiguous; token and head strides in elements
+  // (0: dense). The batch and token axes are flattened into one token axis, so a batch row must
+  // be `seqlen` token strides after the previous one. Strides and base are multiples of 16 bytes
+  // (TMA).
   const void* q = nullptr;              // bf16 [B, T, H, K]
   const void* k = nullptr;              // bf16 [B, T, H, K]
   const void* v = nullptr;              // bf16 [B, T, HV, V]
   const void* g = nullptr;              // bf16 [B, T, HV, K]: raw gate or log decay (natural log)
-  const void* beta = nullptr;           // fp32 or bf16 [B, T, HV]
+  int64_t q_token_stride = 0, q_head_stride = 0;
+  int64_t k_token_stride = 0, k_head_stride = 0;
+  int64_t v_token_stride = 0, v_head_stride = 0;
+  int64_t g_token_stride = 0, g_head_stride = 0;
+  const void* beta = nullptr;           // fp32 or bf16 [B, T, HV]: beta, or its logits (beta_sigmoid)
+  int64_t beta_token_stride = 0;        // elements between tokens (0: HV); heads are contiguous
   const float* A_log = nullptr;         // fp32 [HV] or null (gate in kernel only)
   const float* dt_bias = nullptr;       // fp32 [HV * K] or null (gate in kernel only)
-  const float* initial_state = nullptr; // fp32 [N, HV, K, V] ("kv") or [N, HV, V, K] ("vk"), or null
   const void* cu_seqlens = nullptr;     // int32 or int64 [N + 1], or null (fixed-length batch)
 
+  // ---- recurrent states ------------------------------------------------------------------
+  // One state per (slot, value head): [K, V] ("kv") or [V, K] ("vk"), fp32 or bf16 each (fp32
+  // inside the kernel). Slot of sequence n: n, or state_indices[n] (a state pool). A slot outside
+  // [0, num_state_slots) is a pad: the sequence starts from zeros and writes no state.
+  // initial_state and final_state may be the same pool (final states written in place).
+  const void* initial_state = nullptr;  // null: zeros
+  void* final_state = nullptr;          // null: not written
+  int64_t state_slot_stride = 0;        // elements between slots (0: HV * K * V); heads dense
+  bool initial_state_is_bf16 = false;
+  bool final_state_is_bf16 = false;
+  const void* state_indices = nullptr;  // int32 or int64 [N], or null (slot n for sequence n)
+  bool state_indices_is_int64 = false;
+  int num_state_slots = 0;              // S, the pool's rows (with state_indices)
+  const bool* has_initial_state = nullptr;  // [N] or null: false starts from zeros (still writes)
+
   // ---- outputs -------------------------------------------------------------------------
+  // o (dense): rows of the token axis that no sequence covers (past cu_seqlens[N], a padded
+  // CUDA-graph bucket) are written with zeros.
   void* o = nullptr;                    // bf16 [B, T, HV, V]
-  float* final_state = nullptr;         // fp32, layout as initial_state; null: not written
 
   // ---- sizes ---------------------------------------------------------------------------
   int batch = 0;         // B (1 with cu_seqlens)
@@ -37,6 +61,7 @@ struct KdaPrefillParams {
   bool use_gate_in_kernel = false; // g is raw: apply the lower-bound sigmoid gate on chip
   bool use_qk_l2norm = false;      // l2-normalise q and k rows on chip
   bool beta_is_bf16 = false;       // beta dtype: bf16 (true) or fp32 (false)
+  bool beta_sigmoid = false;       // beta holds logits: the kernel applies the sigmoid in fp32
   bool cu_seqlens_is_int64 = false;
   bool state_vk = false;           // state layout: [V, K] per head (true) or [K, V] (false)
 };

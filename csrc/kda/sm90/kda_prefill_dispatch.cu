@@ -1,5 +1,5 @@
-// Runtime options -> kernel instantiation. Cheap options (state layout, initial/final state,
-// beta dtype, varlen) are runtime flags; the ones that change the intra-chunk inner loops (gate
+// Runtime options -> kernel instantiation. Cheap options (state layout, dtype, pool and slots,
+// beta dtype and sigmoid, varlen, strides) are runtime flags; the ones that change the intra-chunk inner loops (gate
 // activation, l2norm) and the tile schedule are template parameters, one instantiation per .cu
 // under instantiations/. Also builds the TMA descriptors and picks the schedule and grid.
 #include "kda_prefill_sm90.h"
@@ -72,27 +72,39 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   if (p.batch <= 0 || p.seqlen < 0 || p.num_seqs <= 0) return invalid("batch, seqlen, num_seqs out of range");
   if (p.cu_seqlens != nullptr && p.batch != 1) return invalid("cu_seqlens requires batch == 1");
   if (p.cu_seqlens == nullptr && p.num_seqs != p.batch) return invalid("num_seqs must equal batch without cu_seqlens");
-  if (p.o == nullptr || p.beta == nullptr) return invalid("null output or beta");
+  if (p.state_indices != nullptr && p.num_state_slots < 0) return invalid("num_state_slots must be >= 0");
+  if (p.state_slot_stride < 0 || p.beta_token_stride < 0) return invalid("negative stride");
 
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
-  if (tokens == 0) {
-    // No token anywhere: every sequence is empty and its final state is its initial state.
-    if (p.final_state == nullptr) return cudaSuccess;
-    const size_t bytes = size_t(p.num_seqs) * p.num_v_heads * 128 * 128 * sizeof(float);
-    return p.initial_state != nullptr
-               ? cudaMemcpyAsync(p.final_state, p.initial_state, bytes, cudaMemcpyDeviceToDevice, stream)
-               : cudaMemsetAsync(p.final_state, 0, bytes, stream);
-  }
-  if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.g == nullptr) return invalid("null input");
+  // o, beta, q, k, v, g have no element when there is no token: an empty tensor's data pointer
+  // may be null (torch's allocators return null for 0 bytes), and none of them is touched then.
+  if (tokens > 0 && (p.o == nullptr || p.beta == nullptr)) return invalid("null output or beta");
+  if (tokens > 0 && (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.g == nullptr))
+    return invalid("null input");
 
   sm90::KdaKernelParams kp;
   kp.problem = p;
-  // [tokens, heads, 128] bf16 tensors, loaded as 64 x 64 boxes with 128B swizzle.
+  // Defaults resolved here, so the kernel reads every stride straight from parameter space.
+  if (kp.problem.beta_token_stride == 0) kp.problem.beta_token_stride = p.num_v_heads;
+  if (kp.problem.state_slot_stride == 0) kp.problem.state_slot_stride = int64_t(p.num_v_heads) * 128 * 128;
+  // [tokens, heads, 128] bf16 tensors, loaded as 64 x 64 boxes with 128B swizzle. With no token
+  // at all (every sequence empty) there is nothing to load: the kernel only moves the states
+  // (initial -> final per slot) and never touches the descriptors.
   cudaError_t err = cudaSuccess;
-  if ((err = sm90::make_token_head_feature_map(&kp.tma_q, p.q, tokens, p.num_qk_heads)) != cudaSuccess) return err;
-  if ((err = sm90::make_token_head_feature_map(&kp.tma_k, p.k, tokens, p.num_qk_heads)) != cudaSuccess) return err;
-  if ((err = sm90::make_token_head_feature_map(&kp.tma_v, p.v, tokens, p.num_v_heads)) != cudaSuccess) return err;
-  if ((err = sm90::make_token_head_feature_map(&kp.tma_g, p.g, tokens, p.num_v_heads)) != cudaSuccess) return err;
+  if (tokens > 0) {
+    if ((err = sm90::make_token_head_feature_map(&kp.tma_q, p.q, tokens, p.num_qk_heads, p.q_token_stride,
+                                                 p.q_head_stride)) != cudaSuccess)
+      return err;
+    if ((err = sm90::make_token_head_feature_map(&kp.tma_k, p.k, tokens, p.num_qk_heads, p.k_token_stride,
+                                                 p.k_head_stride)) != cudaSuccess)
+      return err;
+    if ((err = sm90::make_token_head_feature_map(&kp.tma_v, p.v, tokens, p.num_v_heads, p.v_token_stride,
+                                                 p.v_head_stride)) != cudaSuccess)
+      return err;
+    if ((err = sm90::make_token_head_feature_map(&kp.tma_g, p.g, tokens, p.num_v_heads, p.g_token_stride,
+                                                 p.g_head_stride)) != cudaSuccess)
+      return err;
+  }
 
   // Tile schedule (tile_scheduler.cuh). Longest first on one persistent CTA per SM pays off where
   // tiles are short (sequences of a few chunks: a CTA per tile spends a large share of its time

@@ -6,7 +6,8 @@
 // also reads the next sequence's first rows: harmless, because the intra-chunk pass masks every
 // row at or past `chunk_rows` out of every product, state and output. beta is strided by HV in
 // memory (no 16-byte box), so the warp's lanes load it with plain loads, zero past the sequence
-// end, and each lane arrives on the barrier after its stores.
+// end, and each lane arrives on the barrier after its stores (with beta_sigmoid it holds logits
+// and the sigmoid is applied here, in fp32).
 #pragma once
 
 #include <cuda.h>
@@ -35,7 +36,7 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
   const int lane = threadIdx.x & 31;
   PipelineState pipe;
 
-  if (lane == 0) {
+  if (lane == 0 && int64_t(p.batch) * p.seqlen > 0) {  // no token: no descriptor was built
     cute::prefetch_tma_descriptor(&kp.tma_q);
     cute::prefetch_tma_descriptor(&kp.tma_k);
     cute::prefetch_tma_descriptor(&kp.tma_v);
@@ -55,9 +56,14 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
       for (int r = lane; r < kChunk; r += 32) {
         float b = 0.f;
         if (r < rows) {
-          const int64_t idx = (token + r) * p.num_v_heads + tile.v_head;
+          // beta_token_stride: set by the host (never 0 here), read from parameter space.
+          const int64_t idx = (token + r) * p.beta_token_stride + tile.v_head;
           b = p.beta_is_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.beta)[idx])
                              : static_cast<const float*>(p.beta)[idx];
+          // Logits in: sigmoid in fp32. __fdividef (MUFU.RCP + FMUL), not __frcp_rn, whose IEEE
+          // slow path spilled in this 24-register warp (40 -> 52 spill bytes, longest first).
+          // b < -87: 1 + e^-b overflows, the quotient is 0 (sigmoid ~ 0).
+          if (p.beta_sigmoid) b = __fdividef(1.f, 1.f + __expf(-b));
         }
         st.beta[r] = b;
       }

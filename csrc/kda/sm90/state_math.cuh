@@ -51,7 +51,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   TileCursor cursor;
   for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
     StateFragment S;
-    load_initial_state(p, tile, S, half, warp, lane);
+    load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
 
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
@@ -193,8 +193,10 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
       timer.mark(5);
     }
-    store_final_state(p, tile, S, half, warp, lane);
+    // The slot again rather than kept in registers across the chunk loop.
+    store_final_state(p, state_slot(p, tile), S, half, warp, lane);
   }
+  zero_uncovered_rows(p, tid + 128 * half);
   timer.report(half ? "state1: wait s2smem P vnew O+S store" : "state0: wait s2smem P vnew O+S store", tid);
 }
 

@@ -7,6 +7,8 @@
 //   S[mh][n8*4 + h2*2 + e] = S[64 mh + 16 w + lane/4 + 8 h2][64 h + 8 n8 + 2 (lane%4) + e].
 #pragma once
 
+#include <type_traits>
+
 #include "kernel_params.cuh"
 #include "shared_storage.cuh"
 #include "sm90_primitives.cuh"
@@ -18,13 +20,35 @@ struct StateFragment {
   float acc[2][32];
 };
 
-__device__ __forceinline__ int64_t state_offset(const KdaPrefillParams& p, const WorkTile& tile) {
-  return (int64_t(tile.seq) * p.num_v_heads + tile.v_head) * kHeadDim * kHeadDim;
+// Where the states of a tile live: the slot of its sequence (n, or state_indices[n] for a state
+// pool), or a pad (no state read, none written).
+struct StateSlot {
+  int64_t offset;  // elements from the state base to this (slot, value head)
+  bool pad;        // slot outside [0, num_state_slots): zeros in, nothing out
+  bool read;       // start from the stored state (else zeros)
+};
+
+__device__ __forceinline__ StateSlot state_slot(const KdaPrefillParams& p, const WorkTile& tile) {
+  int64_t slot = tile.seq;
+  bool pad = false;
+  if (p.state_indices != nullptr) {
+    slot = p.state_indices_is_int64 ? static_cast<const int64_t*>(p.state_indices)[tile.seq]
+                                    : int64_t(static_cast<const int32_t*>(p.state_indices)[tile.seq]);
+    pad = slot < 0 || slot >= p.num_state_slots;  // any index value stays inside the pool
+  }
+  StateSlot r;
+  r.pad = pad;
+  // state_slot_stride: set by the host (never 0 here).
+  r.offset = pad ? 0 : slot * p.state_slot_stride + int64_t(tile.v_head) * kHeadDim * kHeadDim;
+  r.read = !pad && p.initial_state != nullptr && (p.has_initial_state == nullptr || p.has_initial_state[tile.seq]);
+  return r;
 }
 
-template <bool kLoad>
-__device__ __forceinline__ void state_io(const KdaPrefillParams& p, float* gmem, StateFragment& s, int half,
-                                         int warp, int lane) {
+// Loads (kLoad) or stores the thread's state elements at `gmem` (one (slot, head) state, fp32 or
+// bf16 per Elem, layout per p.state_vk).
+template <bool kLoad, typename Elem>
+__device__ __forceinline__ void state_io(const KdaPrefillParams& p, Elem* gmem, StateFragment& s, int half, int warp,
+                                         int lane) {
   const int g4 = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int mh = 0; mh < 2; ++mh) {
@@ -36,24 +60,34 @@ __device__ __forceinline__ void state_io(const KdaPrefillParams& p, float* gmem,
         const int vv = 64 * half + 8 * n8 + 2 * t4;
         float& x0 = s.acc[mh][n8 * 4 + h2 * 2];
         float& x1 = s.acc[mh][n8 * 4 + h2 * 2 + 1];
-        if (!p.state_vk) {  // [K, V]
-          float2* ptr = reinterpret_cast<float2*>(gmem + kk * kHeadDim + vv);
-          if constexpr (kLoad) {
-            const float2 v = *ptr;
-            x0 = v.x;
-            x1 = v.y;
+        if (!p.state_vk) {  // [K, V]: (kk, vv) and (kk, vv + 1) are adjacent
+          Elem* ptr = gmem + kk * kHeadDim + vv;
+          if constexpr (std::is_same_v<Elem, float>) {
+            if constexpr (kLoad) {
+              const float2 v = *reinterpret_cast<const float2*>(ptr);
+              x0 = v.x;
+              x1 = v.y;
+            } else {
+              *reinterpret_cast<float2*>(ptr) = make_float2(x0, x1);
+            }
           } else {
-            *ptr = make_float2(x0, x1);
+            if constexpr (kLoad) {
+              const float2 v = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(ptr));
+              x0 = v.x;
+              x1 = v.y;
+            } else {
+              *reinterpret_cast<uint32_t*>(ptr) = float2_to_bf16x2(x0, x1);
+            }
           }
         } else {  // [V, K]
-          float* p0 = gmem + vv * kHeadDim + kk;
-          float* p1 = gmem + (vv + 1) * kHeadDim + kk;
+          Elem* p0 = gmem + vv * kHeadDim + kk;
+          Elem* p1 = gmem + (vv + 1) * kHeadDim + kk;
           if constexpr (kLoad) {
-            x0 = *p0;
-            x1 = *p1;
+            x0 = float(*p0);
+            x1 = float(*p1);
           } else {
-            *p0 = x0;
-            *p1 = x1;
+            *p0 = Elem(x0);
+            *p1 = Elem(x1);
           }
         }
       }
@@ -61,22 +95,67 @@ __device__ __forceinline__ void state_io(const KdaPrefillParams& p, float* gmem,
   }
 }
 
-__device__ __forceinline__ void load_initial_state(const KdaPrefillParams& p, const WorkTile& tile, StateFragment& s,
-                                                   int half, int warp, int lane) {
-  if (p.initial_state == nullptr) {
+__device__ __forceinline__ void load_initial_state(const KdaPrefillParams& p, const StateSlot& slot,
+                                                   StateFragment& s, int half, int warp, int lane) {
+  if (!slot.read) {
 #pragma unroll
     for (int mh = 0; mh < 2; ++mh)
 #pragma unroll
       for (int r = 0; r < 32; ++r) s.acc[mh][r] = 0.f;
     return;
   }
-  state_io<true>(p, const_cast<float*>(p.initial_state) + state_offset(p, tile), s, half, warp, lane);
+  if (p.initial_state_is_bf16)
+    state_io<true>(p, const_cast<__nv_bfloat16*>(static_cast<const __nv_bfloat16*>(p.initial_state)) + slot.offset,
+                   s, half, warp, lane);
+  else
+    state_io<true>(p, const_cast<float*>(static_cast<const float*>(p.initial_state)) + slot.offset, s, half, warp,
+                   lane);
 }
 
-__device__ __forceinline__ void store_final_state(const KdaPrefillParams& p, const WorkTile& tile, StateFragment& s,
+__device__ __forceinline__ void store_final_state(const KdaPrefillParams& p, const StateSlot& slot, StateFragment& s,
                                                   int half, int warp, int lane) {
-  if (p.final_state == nullptr) return;
-  state_io<false>(p, p.final_state + state_offset(p, tile), s, half, warp, lane);
+  if (p.final_state == nullptr || slot.pad) return;
+  if (p.final_state_is_bf16)
+    state_io<false>(p, static_cast<__nv_bfloat16*>(p.final_state) + slot.offset, s, half, warp, lane);
+  else
+    state_io<false>(p, static_cast<float*>(p.final_state) + slot.offset, s, half, warp, lane);
+}
+
+// Rows of o that no sequence covers (a padded CUDA-graph bucket: the token axis past
+// cu_seqlens[N]) are written with zeros, so o never holds stale memory. Every sequence range
+// (seq_range) lies inside [lo, hi), lo = min_n clamp(cu_seqlens[n], 0, T) and hi = max_n of the
+// same, whatever the values: the rows outside are covered by no sequence, so these stores never
+// race with another CTA's output stores. For valid cu_seqlens lo = cu[0] = 0 and hi = cu[N] (no
+// scan: cu[0] <= 0 and cu[N] >= T leave nothing to zero, else each warp scans the N + 1 values;
+// with garbage values, clamp(cu[N]) alone could be below rows that a sequence writes). Rows
+// inside [lo, hi) that no sequence covers (non-monotone values only) are not zeroed. The state
+// warpgroups of the first kZeroTailCtas CTAs share the stores after their last tile: 16-byte
+// stores, `thread` in [0, 256), CTAs interleaved.
+constexpr int kZeroTailCtas = 512;
+
+__device__ __forceinline__ void zero_uncovered_rows(const KdaPrefillParams& p, int thread) {
+  if (p.cu_seqlens == nullptr) return;
+  const int ctas = min(int(gridDim.x), kZeroTailCtas);
+  if (int(blockIdx.x) >= ctas) return;
+  const int total = p.seqlen;
+  auto clamped = [&](int n) { return int(min(max(cu_seqlens_at(p, n), int64_t(0)), int64_t(total))); };
+  const int first = clamped(0), last = clamped(p.num_seqs);
+  if (first == 0 && last == total) return;  // the ranges run from 0 up to T: every row is covered
+  int lo = min(first, last), hi = max(first, last);
+  for (int n = (thread & 31) + 1; n < p.num_seqs; n += 32) {
+    const int c = clamped(n);
+    lo = min(lo, c);
+    hi = max(hi, c);
+  }
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  const int64_t units_per_row = int64_t(p.num_v_heads) * kHeadDim / 8;  // uint4 = 8 bf16
+  const int64_t head_units = int64_t(lo) * units_per_row;                // rows [0, lo)
+  const int64_t units = head_units + int64_t(total - hi) * units_per_row; // + rows [hi, T)
+  const int64_t skip = int64_t(hi - lo) * units_per_row;
+  uint4* base = static_cast<uint4*>(p.o);
+  for (int64_t u = int64_t(blockIdx.x) * 256 + thread; u < units; u += int64_t(ctas) * 256)
+    base[u < head_units ? u : u + skip] = make_uint4(0u, 0u, 0u, 0u);
 }
 
 // o tile [64 rows x 64 value columns of this half]: scale, round to bf16, stage in shared memory
