@@ -607,9 +607,9 @@ def test_sm90_refuses_sizes_past_32_bits(case) -> None:
                     dtype=torch.bfloat16)
     num_seqs = 2**26 if case == "tiles" else shape_q[0]
     with pytest.raises(ValueError, match="sm90") as info:
-        prefill_mod._check_sm90_arguments(q, v, num_seqs, True, False, prefix="")
+        prefill_mod._check_sm90_arguments(q, v, num_seqs, True, prefix="")
     assert ("`q`" in str(info.value)) == (case != "tiles")
     prefill_mod._check_sm90_arguments(q[:, :8] if case == "T" else q[:8] if case == "B" else q,
                                       v[:, :8] if case == "T" else v[:8] if case == "B" else v,
-                                      8 if case == "B" else 1 if case == "T" else 2**20, True, False,
+                                      8 if case == "B" else 1 if case == "T" else 2**20, True,
                                       prefix="")
