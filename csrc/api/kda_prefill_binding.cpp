@@ -205,6 +205,15 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   p.beta_sigmoid = use_beta_sigmoid_in_kernel;
   p.state_vk = state_v_first;
 
+  // Split mode (few tiles): its chunk workspace comes from torch's caching allocator, stream-ordered
+  // (freed here, reusable by later work on this stream only) and inside a CUDA graph capture from
+  // the graph's pool. The current device is the inputs' (guard above).
+  at::Tensor workspace;
+  if (const size_t bytes = cula::kda::kda_prefill_sm90_workspace_bytes(p); bytes > 0) {
+    workspace = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));
+    p.workspace = workspace.data_ptr();
+  }
+
   const cudaError_t err = cula::kda::kda_prefill_sm90(p, at::cuda::getCurrentCUDAStream(device.index()));
   TORCH_CHECK(err == cudaSuccess, "kda_prefill_sm90 failed: ", cudaGetErrorString(err), " ",
               cula::kda::kda_prefill_sm90_last_error());

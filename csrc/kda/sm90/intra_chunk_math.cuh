@@ -297,149 +297,184 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
   }
 }
 
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst>
-__device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
-  const KdaPrefillParams& p = kp.problem;
-  const int tid = threadIdx.x - first_thread(WarpgroupRole::kIntra);
+// Steps 1-8 on the stage of one chunk with `rows` valid rows.
+template <bool kGateInKernel, bool kL2Norm>
+__device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedStorage& smem, StageStorage& st, int rows,
+                                            float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer) {
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
   float* rnorm = reinterpret_cast<float*>(smem.intra_scratch + kRnormOffset);
   float* row_stats = reinterpret_cast<float*>(smem.intra_scratch + kRowStatsOffset);
   float* diag = reinterpret_cast<float*>(smem.intra_scratch + kDiagOffset);
+    intra_prepare_operands<kGateInKernel, kL2Norm>(p, st, rnorm, row_stats, rows, gate_scale, gate_bias, tid);
+    timer.mark(1);
+
+    float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
+    intra_attention_matrices(st, warp, lane, aqk, akk);
+    timer.mark(2);
+
+    // Step 5: masks and beta. A_qk -> stage (bf16, strictly lower: its diagonal is st.aqk_diag);
+    // A = beta_i A_kk: its blocks below the diagonal stay in registers (a_off, m64n64
+    // accumulator layout) and its diagonal blocks go to the scratch for the forward substitution.
+    const float beta_lo = st.beta[kSubBlock * warp + g4];
+    const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
+    float a_off[8 * (kNumSubBlocks - 1)];
+#pragma unroll
+    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+#pragma unroll
+      for (int n8 = 0; n8 < 2; ++n8) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = kSubBlock * warp + g4 + 8 * h2;
+          const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
+          const int r = n8 * 4 + h2 * 2;
+          const float bi = h2 ? beta_hi : beta_lo;
+          const float q0 = (j < i) ? aqk[bj][r] : 0.f;
+          const float q1 = (j + 1 < i) ? aqk[bj][r + 1] : 0.f;
+          *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) = float2_to_bf16x2(q0, q1);
+          const float a0 = (j < i) ? akk[bj][r] * bi : 0.f;
+          const float a1 = (j + 1 < i) ? akk[bj][r + 1] * bi : 0.f;
+          if (bj == warp) {  // transposed: row j of the scratch block is column j of A_d
+            float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
+            dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
+            dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
+          }
+          if (bj < kNumSubBlocks - 1) {
+            a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
+            a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
+          }
+        }
+      }
+    }
+    timer.mark(3);
+
+    named_barrier_sync(NamedBarrierId::kIntra, 128);  // every warp done reading QE/KE (step 4)
+    // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b) (v was scaled in step 1); thread
+    // owns 2 features x 32 rows. beta goes into the right-hand operands of W and U row by row (rounded
+    // per element) rather than into the columns of M (where one bf16 rounding of beta_j would
+    // scale everything row j contributes).
+    {
+      const int h = tid >> 6, cp = tid & 63;
+      const PairColumn addr(cp);
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        const int b = 2 * h + bb, row0 = kSubBlock * b;
+        const float2 rb = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
+        const float s0 = fast_exp2(rb.x), s1 = fast_exp2(rb.y);
+        uint32_t qx[kSubBlock], kx[kSubBlock];
+        float betas[kSubBlock];  // loaded before the stores (see intra_prepare_operands)
+#pragma unroll
+        for (int ii = 0; ii < kSubBlock; ++ii) {
+          qx[ii] = ld_bf16x2(st.q, addr(row0 + ii));
+          kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
+        }
+#pragma unroll
+        for (int x = 0; x < kSubBlock / 4; ++x) {
+          const float4 b4 = *reinterpret_cast<const float4*>(&st.beta[row0 + 4 * x]);
+          betas[4 * x] = b4.x, betas[4 * x + 1] = b4.y, betas[4 * x + 2] = b4.z, betas[4 * x + 3] = b4.w;
+        }
+#pragma unroll
+        for (int ii = 0; ii < kSubBlock; ++ii) {
+          const float beta = betas[ii];
+          const float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
+          st_bf16x2(st.q, addr(row0 + ii), qv.x * s0, qv.y * s1);
+          st_bf16x2(st.k, addr(row0 + ii), kv.x * (s0 * beta), kv.y * (s1 * beta));
+        }
+      }
+    }
+    timer.mark(4);
+    // Step 7: M = (I + A)^-1 (unit_lower_inverse.cuh), all products on the tensor cores. Its first
+    // proxy fence and barrier also publish QG/KG to the W/U products below.
+    float m[32];
+    invert_unit_lower(a_off, diag, smem.inverse_operand, tid, m, timer);
+    timer.mark(5);
+
+    // Step 8: W = M KG -> k slot, U = M (beta v) -> v slot; M is the A operand straight from the
+    // inverse's accumulator (the bf16 m64k16 fragment of k-step ks is accumulator columns
+    // 16 ks .. 16 ks + 15 of the thread's two rows).
+    uint32_t m_frag[kChunk / 16][4];
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) m_frag[ks][r] = float2_to_bf16x2(m[8 * ks + 2 * r], m[8 * ks + 2 * r + 1]);
+#pragma unroll 1
+    for (int which = 0; which < 2; ++which) {
+      uint8_t* slot = which == 0 ? st.k : st.v;
+      const uint32_t b_base = smem_u32(slot);
+      float acc[64];
+#pragma unroll
+      for (int r = 0; r < 64; ++r) acc[r] = 0.f;
+      fence_accumulators(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks)
+        wgmma_rs<128, Major::MN>(m_frag[ks], desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+      named_barrier_sync(NamedBarrierId::kIntra, 128);  // whole warpgroup done reading the slot
+      store_accumulator_bf16<128>(slot, acc, warp, lane, 0);
+    }
+}
+
+// Gate parameters of value head hv (gate in kernel): scale exp(A_log[hv]), bias dt_bias[hv] of the
+// thread's feature pair (tid % 64).
+template <bool kGateInKernel>
+__device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v_head, int tid, float& gate_scale,
+                                                float2& gate_bias) {
+  gate_scale = 1.f;
+  gate_bias = make_float2(0.f, 0.f);
+  if constexpr (kGateInKernel) {
+    if (p.A_log != nullptr) gate_scale = expf(p.A_log[v_head]);
+    if (p.dt_bias != nullptr) gate_bias = *reinterpret_cast<const float2*>(p.dt_bias + v_head * kHeadDim + 2 * (tid & 63));
+  }
+}
+
+// kChunkSlots: the split mode's chunk-local pass (chunk_workspace.cuh). The CTA's chunks all belong
+// to value head blockIdx.x % HV, and the producer announces each chunk's row count in its stage
+// (-1: none left) instead of the warpgroup walking tiles.
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots>
+__device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
+  const KdaPrefillParams& p = kp.problem;
+  const int tid = threadIdx.x - first_thread(WarpgroupRole::kIntra);
   PipelineState pipe;
   PhaseTimer timer;
   timer.start();
 
-  TileCursor cursor;
-  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
-    float gate_scale = 1.f;
-    float2 gate_bias = make_float2(0.f, 0.f);
-    if constexpr (kGateInKernel) {
-      if (p.A_log != nullptr) gate_scale = expf(p.A_log[tile.v_head]);
-      if (p.dt_bias != nullptr)
-        gate_bias = *reinterpret_cast<const float2*>(p.dt_bias + tile.v_head * kHeadDim + 2 * (tid & 63));
-    }
-
-    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
+  if constexpr (kChunkSlots) {
+    float gate_scale;
+    float2 gate_bias;
+    gate_parameters<kGateInKernel>(p, int(blockIdx.x) % p.num_v_heads, tid, gate_scale, gate_bias);
+    for (;; pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
-      const int rows = tile.chunk_rows(c);
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
-      timer.mark(0);
-
-      intra_prepare_operands<kGateInKernel, kL2Norm>(p, st, rnorm, row_stats, rows, gate_scale, gate_bias, tid);
-      timer.mark(1);
-
-      float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
-      intra_attention_matrices(st, warp, lane, aqk, akk);
-      timer.mark(2);
-
-      // Step 5: masks and beta. A_qk -> stage (bf16, strictly lower: its diagonal is st.aqk_diag);
-      // A = beta_i A_kk: its blocks below the diagonal stay in registers (a_off, m64n64
-      // accumulator layout) and its diagonal blocks go to the scratch for the forward substitution.
-      const float beta_lo = st.beta[kSubBlock * warp + g4];
-      const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
-      float a_off[8 * (kNumSubBlocks - 1)];
-#pragma unroll
-      for (int bj = 0; bj < kNumSubBlocks; ++bj) {
-#pragma unroll
-        for (int n8 = 0; n8 < 2; ++n8) {
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int i = kSubBlock * warp + g4 + 8 * h2;
-            const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
-            const int r = n8 * 4 + h2 * 2;
-            const float bi = h2 ? beta_hi : beta_lo;
-            const float q0 = (j < i) ? aqk[bj][r] : 0.f;
-            const float q1 = (j + 1 < i) ? aqk[bj][r + 1] : 0.f;
-            *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) = float2_to_bf16x2(q0, q1);
-            const float a0 = (j < i) ? akk[bj][r] * bi : 0.f;
-            const float a1 = (j + 1 < i) ? akk[bj][r + 1] * bi : 0.f;
-            if (bj == warp) {  // transposed: row j of the scratch block is column j of A_d
-              float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
-              dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
-              dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
-            }
-            if (bj < kNumSubBlocks - 1) {
-              a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
-              a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
-            }
-          }
-        }
+      const int rows = warp_uniform(st.rows);
+      if (rows >= 0) {
+        timer.mark(0);
+        intra_chunk<kGateInKernel, kL2Norm>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
+        fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
       }
-      timer.mark(3);
-
-      named_barrier_sync(NamedBarrierId::kIntra, 128);  // every warp done reading QE/KE (step 4)
-      // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b) (v was scaled in step 1); thread
-      // owns 2 features x 32 rows. beta goes into the right-hand operands of W and U row by row (rounded
-      // per element) rather than into the columns of M (where one bf16 rounding of beta_j would
-      // scale everything row j contributes).
-      {
-        const int h = tid >> 6, cp = tid & 63;
-        const PairColumn addr(cp);
-#pragma unroll
-        for (int bb = 0; bb < 2; ++bb) {
-          const int b = 2 * h + bb, row0 = kSubBlock * b;
-          const float2 rb = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
-          const float s0 = fast_exp2(rb.x), s1 = fast_exp2(rb.y);
-          uint32_t qx[kSubBlock], kx[kSubBlock];
-          float betas[kSubBlock];  // loaded before the stores (see intra_prepare_operands)
-#pragma unroll
-          for (int ii = 0; ii < kSubBlock; ++ii) {
-            qx[ii] = ld_bf16x2(st.q, addr(row0 + ii));
-            kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
-          }
-#pragma unroll
-          for (int x = 0; x < kSubBlock / 4; ++x) {
-            const float4 b4 = *reinterpret_cast<const float4*>(&st.beta[row0 + 4 * x]);
-            betas[4 * x] = b4.x, betas[4 * x + 1] = b4.y, betas[4 * x + 2] = b4.z, betas[4 * x + 3] = b4.w;
-          }
-#pragma unroll
-          for (int ii = 0; ii < kSubBlock; ++ii) {
-            const float beta = betas[ii];
-            const float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
-            st_bf16x2(st.q, addr(row0 + ii), qv.x * s0, qv.y * s1);
-            st_bf16x2(st.k, addr(row0 + ii), kv.x * (s0 * beta), kv.y * (s1 * beta));
-          }
-        }
-      }
-      timer.mark(4);
-      // Step 7: M = (I + A)^-1 (unit_lower_inverse.cuh), all products on the tensor cores. Its first
-      // proxy fence and barrier also publish QG/KG to the W/U products below.
-      float m[32];
-      invert_unit_lower(a_off, diag, smem.inverse_operand, tid, m, timer);
-      timer.mark(5);
-
-      // Step 8: W = M KG -> k slot, U = M (beta v) -> v slot; M is the A operand straight from the
-      // inverse's accumulator (the bf16 m64k16 fragment of k-step ks is accumulator columns
-      // 16 ks .. 16 ks + 15 of the thread's two rows).
-      uint32_t m_frag[kChunk / 16][4];
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) m_frag[ks][r] = float2_to_bf16x2(m[8 * ks + 2 * r], m[8 * ks + 2 * r + 1]);
-#pragma unroll 1
-      for (int which = 0; which < 2; ++which) {
-        uint8_t* slot = which == 0 ? st.k : st.v;
-        const uint32_t b_base = smem_u32(slot);
-        float acc[64];
-#pragma unroll
-        for (int r = 0; r < 64; ++r) acc[r] = 0.f;
-        fence_accumulators(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kChunk / 16; ++ks)
-          wgmma_rs<128, Major::MN>(m_frag[ks], desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_accumulators(acc);
-        named_barrier_sync(NamedBarrierId::kIntra, 128);  // whole warpgroup done reading the slot
-        store_accumulator_bf16<128>(slot, acc, warp, lane, 0);
-      }
-
-      // Step 9: hand the stage to the state warpgroups.
-      fence_smem_to_async_proxy();
-      cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);
+      cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer (also the end mark)
+      if (rows < 0) break;
       timer.mark(6);
+    }
+  } else {
+    TileCursor cursor;
+    for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
+      float gate_scale;
+      float2 gate_bias;
+      gate_parameters<kGateInKernel>(p, tile.v_head, tid, gate_scale, gate_bias);
+      for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
+        StageStorage& st = smem.stage[pipe.stage];
+        const int rows = tile.chunk_rows(c);
+        cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+        timer.mark(0);
+        intra_chunk<kGateInKernel, kL2Norm>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
+        // Step 9: hand the stage to the state warpgroups.
+        fence_smem_to_async_proxy();
+        cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);
+        timer.mark(6);
+      }
     }
   }
   timer.report("intra: wait prep attn mask qg+kg inv:M wu inv:D inv:N inv:N2,Y", tid);

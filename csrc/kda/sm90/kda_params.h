@@ -47,6 +47,11 @@ struct KdaPrefillParams {
   // CUDA-graph bucket) are written with zeros.
   void* o = nullptr;                    // bf16 [B, T, HV, V]
 
+  // ---- workspace -----------------------------------------------------------------------
+  // Split mode only (few tiles: kda_prefill_sm90_workspace_bytes(p) > 0): device memory of that
+  // many bytes, 16-byte aligned, owned by the caller; its contents need no initialisation.
+  void* workspace = nullptr;
+
   // ---- sizes ---------------------------------------------------------------------------
   int batch = 0;         // B (1 with cu_seqlens)
   int seqlen = 0;        // T: tokens per batch row (the token count with cu_seqlens)

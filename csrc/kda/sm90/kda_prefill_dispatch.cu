@@ -60,9 +60,47 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
   *out = ws;
   return cudaSuccess;
 }
+// Split mode (kernel_params.cuh: KernelPass, chunk_workspace.cuh) or the fused kernel. With at most
+// half as many (sequence, value head) tiles as SMs, the fused kernel keeps at most half the SMs
+// busy and each tile's time is its chunk count times the intra-chunk work per chunk; the split
+// mode runs that work for all chunks in parallel first (pass 1, ~one wave of CTAs over the chunk
+// slots of every head), then only the state chain per tile (pass 2). CULA_KDA_SPLIT=0 or =1 (read
+// per call) forces the fused kernel or the split mode. Returns slots_per_head = 0 for the fused
+// kernel. Only shapes and the SM count go in: never a value of cu_seqlens.
+sm90::SplitPlan plan_split(const KdaPrefillParams& p, int sm_count) {
+  sm90::SplitPlan plan;
+  const int64_t tokens = int64_t(p.batch) * p.seqlen;
+  const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
+  const char* env = std::getenv("CULA_KDA_SPLIT");
+  bool split = num_tiles * 2 <= sm_count;
+  if (env != nullptr && std::strcmp(env, "0") == 0) split = false;
+  if (env != nullptr && std::strcmp(env, "1") == 0) split = true;
+  if (!split || tokens == 0) return plan;
+  plan.slots_per_head = (tokens + sm90::kChunk - 1) / sm90::kChunk + p.num_seqs;
+  const int64_t parts = std::max<int64_t>(1, sm_count / p.num_v_heads);  // CTAs per value head
+  const int64_t per_cta = (plan.slots_per_head + parts - 1) / parts;
+  if (per_cta > INT_MAX || plan.slots_per_head > INT_MAX) return sm90::SplitPlan{};  // slots are int in the kernel
+  plan.slots_per_cta = int(per_cta);
+  plan.ctas_per_head = int((plan.slots_per_head + per_cta - 1) / per_cta);
+  return plan;
+}
+
+cudaError_t device_sm_count(int* sm_count) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
+  return err;
+}
 }  // namespace
 
 const char* kda_prefill_sm90_last_error() { return g_last_error; }
+
+size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& p) {
+  int sm_count = 0;
+  if (device_sm_count(&sm_count) != cudaSuccess) return 0;
+  const sm90::SplitPlan plan = plan_split(p, sm_count);
+  return size_t(plan.slots_per_head) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
+}
 
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   g_last_error = "";
@@ -106,6 +144,30 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
       return err;
   }
 
+  const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
+  int device = 0;
+  if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
+  int sm_count = 0;
+  if ((err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+
+  kp.split = plan_split(p, sm_count);
+  if (kp.split.slots_per_head > 0) {
+    if (p.workspace == nullptr) return invalid("the split mode needs a workspace (kda_prefill_sm90_workspace_bytes)");
+    if (num_tiles > INT_MAX || int64_t(kp.split.ctas_per_head) * p.num_v_heads > INT_MAX)
+      return invalid("too many tiles for the split mode");
+    const int chunk_grid = kp.split.ctas_per_head * p.num_v_heads;
+    if (p.use_gate_in_kernel)
+      err = p.use_qk_l2norm
+                ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kChunkLocal>(kp, chunk_grid, stream)
+                : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kChunkLocal>(kp, chunk_grid, stream);
+    else
+      err = p.use_qk_l2norm
+                ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kChunkLocal>(kp, chunk_grid, stream)
+                : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kChunkLocal>(kp, chunk_grid, stream);
+    if (err != cudaSuccess) return err;
+    return sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kRecurrence>(kp, int(num_tiles), stream);
+  }
+
   // Tile schedule (tile_scheduler.cuh). Longest first on one persistent CTA per SM pays off where
   // tiles are short (sequences of a few chunks: a CTA per tile spends a large share of its time
   // starting up, and a persistent CTA overlaps one tile's start with the last one's end) and where
@@ -114,11 +176,6 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   // longest first when there is more than one wave of tiles and the mean sequence is shorter than
   // kLongestFirstMaxMeanTokens tokens, else index order. CULA_KDA_SCHEDULE=index or
   // =longest_first (read per call) forces one, where it applies.
-  const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
-  int device = 0;
-  if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
-  int sm_count = 0;
-  if ((err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
   const char* schedule = std::getenv("CULA_KDA_SCHEDULE");
   const bool force_index = schedule != nullptr && std::strcmp(schedule, "index") == 0;
   const bool force_longest_first = schedule != nullptr && std::strcmp(schedule, "longest_first") == 0;
@@ -128,17 +185,17 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   if (longest_first) {
     if ((err = schedule_workspace(device, stream, &kp.schedule)) != cudaSuccess) return err;
     if (p.use_gate_in_kernel)
-      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, true>(kp, sm_count, stream)
-                             : sm90::launch_kda_prefill_kernel<true, false, true>(kp, sm_count, stream);
-    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, true>(kp, sm_count, stream)
-                           : sm90::launch_kda_prefill_kernel<false, false, true>(kp, sm_count, stream);
+      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, true, sm90::KernelPass::kFused>(kp, sm_count, stream)
+                             : sm90::launch_kda_prefill_kernel<true, false, true, sm90::KernelPass::kFused>(kp, sm_count, stream);
+    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, true, sm90::KernelPass::kFused>(kp, sm_count, stream)
+                           : sm90::launch_kda_prefill_kernel<false, false, true, sm90::KernelPass::kFused>(kp, sm_count, stream);
   }
   const int grid = int(std::min<int64_t>(num_tiles, INT_MAX));
   if (p.use_gate_in_kernel)
-    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false>(kp, grid, stream)
-                           : sm90::launch_kda_prefill_kernel<true, false, false>(kp, grid, stream);
-  return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false>(kp, grid, stream)
-                         : sm90::launch_kda_prefill_kernel<false, false, false>(kp, grid, stream);
+    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kFused>(kp, grid, stream)
+                           : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kFused>(kp, grid, stream);
+  return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kFused>(kp, grid, stream)
+                         : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kFused>(kp, grid, stream);
 }
 
 }  // namespace cula::kda

@@ -7,8 +7,18 @@
 //
 // Hand-offs are mbarriers per stage: full (TMA -> intra), ready (intra -> state), empty (state ->
 // producer). setmaxnreg moves registers from the producer to the math warpgroups.
+//
+// The split mode (few tiles, kernel_params.cuh: KernelPass) launches the same kernel twice:
+//   kChunkLocal  warpgroup 0's producer walks the CTA's chunk slots (chunk_workspace.cuh),
+//                warpgroup 1 runs the intra-chunk work as above, and one thread of warpgroup 2
+//                (the storer) copies each finished stage to the workspace and releases it;
+//                the rest of warpgroups 2 and 3 exits at once
+//   kRecurrence  warpgroup 0's producer reads finished stages back from the workspace into the
+//                ring (full -> state directly), warpgroups 2 and 3 run as above, warpgroup 1
+//                exits at once
 #pragma once
 
+#include "chunk_workspace.cuh"
 #include "intra_chunk_math.cuh"
 #include "kernel_params.cuh"
 #include "load_producer.cuh"
@@ -23,8 +33,9 @@ constexpr uint32_t kIntraRegs = 168;
 constexpr uint32_t kStateRegs = 160;
 static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "register budget of one SM");
 
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst>
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
+  static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the split passes use index order");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
@@ -40,7 +51,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 32);  // the producer warp's lanes
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
-      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], 256);
+      // Released by both state warpgroups, or in the chunk-local pass by the storer thread.
+      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], kPass == KernelPass::kChunkLocal ? 1 : 256);
     }
     if constexpr (kLongestFirst) {
 #pragma unroll
@@ -63,13 +75,22 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
 
   if (role == WarpgroupRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (threadIdx.x < 32) run_load_producer<kLongestFirst>(kp, smem);  // one warp issues the loads
+    if (threadIdx.x < 32) {  // one warp issues the loads
+      if constexpr (kPass == KernelPass::kFused) run_load_producer<kLongestFirst>(kp, smem);
+      if constexpr (kPass == KernelPass::kChunkLocal) run_chunk_slot_producer(kp, smem);
+      if constexpr (kPass == KernelPass::kRecurrence) run_workspace_loader(kp, smem);
+    }
   } else if (role == WarpgroupRole::kIntra) {
-    cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-    run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst>(kp, smem);
+    if constexpr (kPass != KernelPass::kRecurrence) {
+      cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
+      run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, kPass == KernelPass::kChunkLocal>(kp, smem);
+    }
+  } else if constexpr (kPass == KernelPass::kChunkLocal) {
+    if (threadIdx.x == first_thread(WarpgroupRole::kState0)) run_workspace_storer(kp, smem);
   } else {  // kState0, kState1: one half of the value columns each
     cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-    run_state_warpgroup<kLongestFirst>(kp, smem, int(role) - int(WarpgroupRole::kState0));
+    run_state_warpgroup<kLongestFirst, kPass == KernelPass::kRecurrence>(kp, smem,
+                                                                         int(role) - int(WarpgroupRole::kState0));
   }
 #endif
 }

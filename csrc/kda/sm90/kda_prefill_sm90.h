@@ -13,13 +13,19 @@ namespace cula::kda {
 // 16 KB schedule workspace (kept for the life of the process).
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream);
 
+// Bytes of device workspace that kda_prefill_sm90 needs for `params` on the current device: 0 when
+// it runs the fused kernel, else the split mode's chunk stages (the caller allocates them and
+// sets params.workspace). Same decision as kda_prefill_sm90 (CULA_KDA_SPLIT=0/1 forces it).
+size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& params);
+
 // Human-readable reason of the last cudaErrorInvalidValue returned by kda_prefill_sm90 (or "").
 const char* kda_prefill_sm90_last_error();
 
 namespace sm90 {
 struct KdaKernelParams;
+enum class KernelPass : int;
 // One per file under instantiations/ (kda_prefill_launch.cuh).
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst>
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass>
 cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream);
 }  // namespace sm90
 

@@ -25,6 +25,27 @@ struct ScheduleWorkspace {
   int sorted_seq[kSortMaxSeqs];  // sequences, most chunks first (every CTA writes the same values)
 };
 
+// Which part of the work one launch does (kda_prefill_kernel.cuh). The split mode runs two
+// launches for calls with fewer (sequence, value head) tiles than SMs (kda_prefill_dispatch.cu):
+//   kFused       one CTA per tile does everything (producer, intra-chunk, state warpgroups)
+//   kChunkLocal  split pass 1: CTAs over (value head, range of chunk slots) run the producer and
+//                the intra-chunk warpgroup on every chunk of their range in parallel, and a
+//                storer thread copies each finished stage to the workspace
+//   kRecurrence  split pass 2: one CTA per tile runs the state warpgroups on the stages read
+//                back from the workspace (no intra-chunk work left)
+enum class KernelPass : int { kFused = 0, kChunkLocal = 1, kRecurrence = 2 };
+
+// Split mode: the workspace holds one finished stage (kWorkspaceStageBytes) per chunk slot and
+// value head. Chunk c of sequence n (first token t0) has slot t0 / 64 + n + c within its head:
+// slots of consecutive sequences never overlap (floor(t0' / 64) + 1 >= floor(t0 / 64) +
+// ceil(len / 64) for t0' = t0 + len), and every slot is below ceil(T / 64) + N whatever the
+// (clamped) cu_seqlens values are.
+struct SplitPlan {
+  int64_t slots_per_head = 0;  // ceil(tokens / 64) + N
+  int slots_per_cta = 0;       // chunk-local pass: consecutive slots of one CTA
+  int ctas_per_head = 0;       // chunk-local pass: grid = ctas_per_head * HV
+};
+
 struct KdaKernelParams {
   CUtensorMap tma_q;  // [tokens, H, K]  box 64 x 1 x 64, 128B swizzle
   CUtensorMap tma_k;  // [tokens, H, K]
@@ -32,6 +53,7 @@ struct KdaKernelParams {
   CUtensorMap tma_g;  // [tokens, HV, K]
   KdaPrefillParams problem;
   ScheduleWorkspace* schedule = nullptr;  // longest-first schedule only
+  SplitPlan split;                         // split mode only (problem.workspace holds the stages)
 };
 
 }  // namespace cula::kda::sm90

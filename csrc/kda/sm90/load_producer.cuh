@@ -30,6 +30,43 @@ __device__ __forceinline__ void tma_load_tile(const CUtensorMap* map, uint64_t* 
   }
 }
 
+// beta of the chunk's rows into the stage (0 past the sequence end), one row per lane at a time.
+__device__ __forceinline__ void load_beta(const KdaPrefillParams& p, StageStorage& st, int v_head, int64_t token,
+                                          int rows, int lane) {
+#pragma unroll
+  for (int r = lane; r < kChunk; r += 32) {
+    float b = 0.f;
+    if (r < rows) {
+      // beta_token_stride: set by the host (never 0 here), read from parameter space.
+      const int64_t idx = (token + r) * p.beta_token_stride + v_head;
+      b = p.beta_is_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.beta)[idx])
+                         : static_cast<const float*>(p.beta)[idx];
+      // Logits in: sigmoid in fp32. __fdividef (MUFU.RCP + FMUL), not __frcp_rn, whose IEEE
+      // slow path spilled in this 24-register warp (40 -> 52 spill bytes, longest first).
+      // b < -87: 1 + e^-b overflows, the quotient is 0 (sigmoid ~ 0).
+      if (p.beta_sigmoid) b = __fdividef(1.f, 1.f + __expf(-b));
+    }
+    st.beta[r] = b;
+  }
+}
+
+// Every lane arrives on `full` after its own beta stores (release), so the consumers' wait orders
+// each store directly; lane 0 also sets the TMA byte count and issues the loads of q, k, v, g.
+__device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uint64_t& full_bar, StageStorage& st,
+                                                  const TileInfo& tile, int64_t token, int lane) {
+  uint64_t* bar = &full_bar;
+  if (lane == 0) {
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageTxBytes);
+    tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
+    tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
+    tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
+    tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
+  } else {
+    cutlass::arch::ClusterBarrier::arrive(bar);
+  }
+  __syncwarp();
+}
+
 template <bool kLongestFirst>
 __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
@@ -52,34 +89,8 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
 
       const int rows = tile.chunk_rows(c);
       const int64_t token = tile.token0 + int64_t(c) * kChunk;
-#pragma unroll
-      for (int r = lane; r < kChunk; r += 32) {
-        float b = 0.f;
-        if (r < rows) {
-          // beta_token_stride: set by the host (never 0 here), read from parameter space.
-          const int64_t idx = (token + r) * p.beta_token_stride + tile.v_head;
-          b = p.beta_is_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.beta)[idx])
-                             : static_cast<const float*>(p.beta)[idx];
-          // Logits in: sigmoid in fp32. __fdividef (MUFU.RCP + FMUL), not __frcp_rn, whose IEEE
-          // slow path spilled in this 24-register warp (40 -> 52 spill bytes, longest first).
-          // b < -87: 1 + e^-b overflows, the quotient is 0 (sigmoid ~ 0).
-          if (p.beta_sigmoid) b = __fdividef(1.f, 1.f + __expf(-b));
-        }
-        st.beta[r] = b;
-      }
-      // Every lane arrives on `full` after its own beta stores (release), so the consumers'
-      // wait orders each store directly; lane 0 also sets the TMA byte count and issues the loads.
-      uint64_t* bar = &smem.full_bar[pipe.stage];
-      if (lane == 0) {
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageTxBytes);
-        tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
-        tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
-        tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
-        tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
-      } else {
-        cutlass::arch::ClusterBarrier::arrive(bar);
-      }
-      __syncwarp();
+      load_beta(p, st, tile.v_head, token, rows, lane);
+      issue_stage_loads(kp, smem.full_bar[pipe.stage], st, tile, token, lane);
     }
   }
 }

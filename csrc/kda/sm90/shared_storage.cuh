@@ -16,6 +16,7 @@
 // (e = exp2(G - r_b) >= 1, f = exp2(r_b - G) <= 1 per element; see docs/kernel.md.)
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace cula::kda::sm90 {
@@ -59,7 +60,20 @@ struct alignas(1024) StageStorage {
   float r_block[kNumSubBlocks][kHeadDim];          // log2 cumulative decay at each block end
   float beta[kChunk];
   float aqk_diag[kChunk];  // A_qk[i, i] = q_i . k_i in fp32 (0 past the end); applied by the state WGs
+  // Split mode, chunk-local pass only (chunk_workspace.cuh): what the producer announces with
+  // each chunk. Past the workspace copy (kWorkspaceStageBytes), so never written to global.
+  int rows;     // valid rows of the chunk (1..64), or -1: no chunk left for this CTA
+  int ws_slot;  // the chunk's workspace slot within its value head
 };
+
+// Split mode: the part of a finished stage that the recurrence pass needs (q..aqk_diag above,
+// in shared-memory byte layout, swizzle included), copied to and from global memory as one bulk
+// copy per chunk.
+constexpr int kWorkspaceStageBytes = 4 * kTileBytes + kChunk * kChunk * 2 + kNumSubBlocks * kHeadDim * 4 + 2 * kChunk * 4;
+static_assert(kWorkspaceStageBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+
+static_assert(offsetof(StageStorage, aqk_diag) + sizeof(StageStorage::aqk_diag) == kWorkspaceStageBytes,
+              "the workspace copy of a stage is q, k, g, v, aqk, r_block, beta, aqk_diag, in that order");
 
 struct alignas(1024) SharedStorage {
   StageStorage stage[kStages];

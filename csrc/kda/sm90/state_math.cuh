@@ -34,7 +34,9 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
       }
 }
 
-template <bool kLongestFirst>
+// kFromWorkspace: the split mode's recurrence pass, where the stages arrive finished from the
+// workspace (chunk_workspace.cuh) and the wait is on `full` rather than on the intra warpgroup.
+template <bool kLongestFirst, bool kFromWorkspace>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
@@ -55,7 +57,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
 
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
-      cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
+      cutlass::arch::ClusterBarrier::wait(kFromWorkspace ? &smem.full_bar[pipe.stage] : &smem.ready_bar[pipe.stage],
+                                          pipe.phase);
       timer.mark(0);
 
       // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], MN-major B operand.
