@@ -1,6 +1,6 @@
 """GPU tests of the sm90 kernel's split mode (few tiles: ``docs/kernel.md``, "Split mode").
 
-With fewer (sequence, value head) tiles than half the SMs, the host runs two launches instead of
+With at most a quarter as many (sequence, value head) tiles as SMs, the host runs two launches instead of
 the fused kernel: a chunk-local pass over every chunk in parallel that leaves each finished stage in
 a workspace, then the recurrence per tile on those stages. ``CULA_KDA_SPLIT=0`` / ``=1`` forces
 either path (read per call), so every case here runs both:

@@ -60,8 +60,8 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
   *out = ws;
   return cudaSuccess;
 }
-// Split mode (kernel_params.cuh: KernelPass, chunk_workspace.cuh) or the fused kernel. With at most
-// half as many (sequence, value head) tiles as SMs, the fused kernel keeps at most half the SMs
+// Split mode (kernel_params.cuh: KernelPass, chunk_workspace.cuh) or the fused kernel. With few
+// (sequence, value head) tiles, the fused kernel keeps at most half the SMs
 // busy and each tile's time is its chunk count times the intra-chunk work per chunk; the split
 // mode runs that work for all chunks in parallel first (pass 1, ~one wave of CTAs over the chunk
 // slots of every head), then only the state chain per tile (pass 2). CULA_KDA_SPLIT=0 or =1 (read
@@ -72,7 +72,11 @@ sm90::SplitPlan plan_split(const KdaPrefillParams& p, int sm_count) {
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
   const char* env = std::getenv("CULA_KDA_SPLIT");
-  bool split = num_tiles * 2 <= sm_count;
+  // Measured (H100, docs/perf-notes.md): a win from 16 tiles down (B1 T4096 H16 0.76 -> 0.49 ms,
+  // B1 T32768 H8 5.66 -> 2.45), a loss at 64 (B1 T8192 H64 1.57 -> 1.83: the chunk-local pass then
+  // runs two chunk ranges per tile and moves ~1.9 GB), so: at most a quarter of the SMs' tiles,
+  // and at least four chunks' worth of tokens.
+  bool split = num_tiles * 4 <= sm_count && tokens >= 4 * sm90::kChunk;
   if (env != nullptr && std::strcmp(env, "0") == 0) split = false;
   if (env != nullptr && std::strcmp(env, "1") == 0) split = true;
   if (!split || tokens == 0) return plan;
