@@ -1,14 +1,15 @@
-"""GPU tests of the sm90 kernel's split mode (few tiles: ``docs/kernel.md``, "Split mode").
+"""GPU tests of the sm90 kernel's modes for few tiles (``docs/kernel.md``, "Few tiles").
 
-With at most a quarter as many (sequence, value head) tiles as SMs, the host runs two launches instead of
-the fused kernel: a chunk-local pass over every chunk in parallel that leaves each finished stage in
-a workspace, then the recurrence per tile on those stages. ``CULA_KDA_SPLIT=0`` / ``=1`` forces
-either path (read per call), so every case here runs both:
+With few (sequence, value head) tiles the host does not run one fused CTA per tile: by default the
+cooperative mode (one CTA per SM; the CTAs without a tile compute chunks for the tile owners and
+hand them over through a workspace), or the split mode (two launches: every chunk in parallel,
+then the recurrence per tile). ``CULA_KDA_SPLIT=0`` / ``=1`` / ``=2`` forces fused / split /
+cooperative (read per call), so every case here runs all three:
 
-* each against the fp32 recurrence (the numerics contract, as in ``test_sm90.py``);
-* split against fused **bitwise**: the recurrence pass consumes byte copies of the stages the fused
-  kernel would have handed over, so any difference is a bug in the split (a chunk at the wrong
-  slot, a missing or stale stage), not rounding.
+* each mode against the fp32 recurrence (the numerics contract, as in ``test_sm90.py``);
+* split and cooperative against fused **bitwise**: the state warpgroups consume byte copies of the
+  stages the fused kernel would have handed over, so any difference is a bug (a chunk at the wrong
+  slot, a missing, stale or early-read stage), not rounding.
 
 Cases: chunk-slot ranges that start and end inside and on chunk edges, sequences shorter than one
 chunk, one head over all SMs, varlen mixes of long, short, length-1 and empty sequences with
@@ -40,51 +41,59 @@ def _run(inp: dict, split: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor
     return run_sm90(inp)
 
 
+MODES = {"split": "1", "cooperative": "2"}
+
+
 @gpu_sm90
 @pytest.mark.parametrize("spec", [pytest.param(s, id=s.id) for s in SPLIT_CASES])
-def test_split_matches_fused_and_reference(spec: Spec, seed: int, monkeypatch):
+def test_modes_match_fused_and_reference(spec: Spec, seed: int, monkeypatch):
     inp = make_inputs(spec)
-    o_split, s_split = _run(inp, "1", monkeypatch)
     o_fused, s_fused = _run(inp, "0", monkeypatch)
-    compare_to_reference(spec, inp, o_split, s_split, what=f"{spec.id} split")
-    assert torch.equal(o_split, o_fused), f"o: split and fused differ, max {(o_split.float() - o_fused.float()).abs().max()}"
-    assert torch.equal(s_split, s_fused), f"state: split and fused differ, max {(s_split - s_fused).abs().max()}"
+    for name, value in MODES.items():
+        o, s = _run(inp, value, monkeypatch)
+        compare_to_reference(spec, inp, o, s, what=f"{spec.id} {name}")
+        assert torch.equal(o, o_fused), f"o: {name} and fused differ, max {(o.float() - o_fused.float()).abs().max()}"
+        assert torch.equal(s, s_fused), f"state: {name} and fused differ, max {(s - s_fused).abs().max()}"
 
 
 @gpu_sm90
-def test_split_long_sequence_with_initial_state(seed: int, monkeypatch):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_long_sequence_with_initial_state(mode: str, seed: int, monkeypatch):
     """T = 65536 on one head: 1025 chunk slots over the SMs, 1024 chunks of recurrence."""
     spec = Spec(B=1, T=65536, H=1, HV=1, h0=True, layout="kv")
     inp = make_inputs(spec)
-    o, fs = _run(inp, "1", monkeypatch)
-    compare_to_reference(spec, inp, o, fs, what=f"{spec.id} split")
+    o, fs = _run(inp, MODES[mode], monkeypatch)
+    compare_to_reference(spec, inp, o, fs, what=f"{spec.id} {mode}")
 
 
 @gpu_sm90
-def test_split_is_the_default_for_few_tiles(seed: int, monkeypatch):
-    """Without the variable, a call with few tiles takes the split mode: bitwise the forced one."""
+def test_cooperative_is_the_default_for_few_tiles(seed: int, monkeypatch):
+    """Without the variable, a call with few tiles takes the cooperative mode: bitwise the forced one."""
     spec = Spec(B=1, T=700, H=2, HV=4, h0=True)
     inp = make_inputs(spec)
-    o_forced, s_forced = _run(inp, "1", monkeypatch)
+    o_forced, s_forced = _run(inp, "2", monkeypatch)
     monkeypatch.delenv("CULA_KDA_SPLIT")
     o_auto, s_auto = run_sm90(inp)
     assert torch.equal(o_auto, o_forced) and torch.equal(s_auto, s_forced)
 
 
 @gpu_sm90
-def test_split_deterministic(seed: int, monkeypatch):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_deterministic(mode: str, seed: int, monkeypatch):
     spec = varlen("det", [1500, 3, 700], H=2, HV=4, h0=True)
     inp = make_inputs(spec)
-    o1, s1 = _run(inp, "1", monkeypatch)
-    o2, s2 = _run(inp, "1", monkeypatch)
-    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    o1, s1 = _run(inp, MODES[mode], monkeypatch)
+    for _ in range(3):
+        o2, s2 = _run(inp, MODES[mode], monkeypatch)
+        assert torch.equal(o1, o2) and torch.equal(s1, s2)
 
 
 @gpu_sm90
-def test_split_cuda_graph(seed: int, monkeypatch):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_cuda_graph(mode: str, seed: int, monkeypatch):
     """Captured with its workspace from the graph's pool; a replay on new inputs written in place
     equals the eager call on them."""
-    monkeypatch.setenv("CULA_KDA_SPLIT", "1")
+    monkeypatch.setenv("CULA_KDA_SPLIT", MODES[mode])
     spec = varlen("graph", [900, 64, 1], H=2, HV=4, h0=True)
     inp = make_inputs(spec)
     run_sm90(inp)  # warm-up outside the capture

@@ -430,10 +430,12 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
   }
 }
 
-// kChunkSlots: the split mode's chunk-local pass (chunk_workspace.cuh). The CTA's chunks all belong
-// to value head blockIdx.x % HV, and the producer announces each chunk's row count in its stage
-// (-1: none left) instead of the warpgroup walking tiles.
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots>
+// kChunkSlots: the chunk-local pass of the split mode and the helpers of the cooperative mode
+// (chunk_workspace.cuh): the producer announces each chunk's row count and value head in its stage
+// (rows -1: none left) instead of the warpgroup walking tiles.
+// kRemoteStages: a tile owner of the cooperative mode, whose producer marks the stages that came
+// finished from the workspace: those go to the state warpgroups as they are.
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, bool kRemoteStages>
 __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kIntra);
@@ -444,12 +446,17 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
   if constexpr (kChunkSlots) {
     float gate_scale;
     float2 gate_bias;
-    gate_parameters<kGateInKernel>(p, int(blockIdx.x) % p.num_v_heads, tid, gate_scale, gate_bias);
+    int gate_head = -1;
     for (;; pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
       const int rows = warp_uniform(st.rows);
       if (rows >= 0) {
+        const int v_head = warp_uniform(st.ws_head);
+        if (v_head != gate_head) {
+          gate_parameters<kGateInKernel>(p, v_head, tid, gate_scale, gate_bias);
+          gate_head = v_head;
+        }
         timer.mark(0);
         intra_chunk<kGateInKernel, kL2Norm>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
         fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
@@ -468,6 +475,12 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         StageStorage& st = smem.stage[pipe.stage];
         const int rows = tile.chunk_rows(c);
         cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+        if constexpr (kRemoteStages) {
+          if (warp_uniform(st.remote)) {  // finished by a helper: nothing to do here
+            cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);
+            continue;
+          }
+        }
         timer.mark(0);
         intra_chunk<kGateInKernel, kL2Norm>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
         // Step 9: hand the stage to the state warpgroups.

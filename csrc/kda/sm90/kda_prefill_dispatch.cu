@@ -60,32 +60,55 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
   *out = ws;
   return cudaSuccess;
 }
-// Split mode (kernel_params.cuh: KernelPass, chunk_workspace.cuh) or the fused kernel. With few
-// (sequence, value head) tiles, the fused kernel keeps at most half the SMs
-// busy and each tile's time is its chunk count times the intra-chunk work per chunk; the split
-// mode runs that work for all chunks in parallel first (pass 1, ~one wave of CTAs over the chunk
-// slots of every head), then only the state chain per tile (pass 2). CULA_KDA_SPLIT=0 or =1 (read
-// per call) forces the fused kernel or the split mode. Returns slots_per_head = 0 for the fused
-// kernel. Only shapes and the SM count go in: never a value of cu_seqlens.
-sm90::SplitPlan plan_split(const KdaPrefillParams& p, int sm_count) {
-  sm90::SplitPlan plan;
+// How a call runs (kernel_params.cuh: KernelPass). With few (sequence, value head) tiles, the fused
+// kernel keeps at most that many SMs busy, and each tile takes its chunk count times the
+// intra-chunk warpgroup's time per chunk, although none of that work depends on the state:
+//   * cooperative (default from half the SMs' tiles down): one CTA per SM; the tile owners run
+//     the fused kernel and the other CTAs compute chunks for them (chunk_workspace.cuh);
+//   * split (two launches: all chunks in parallel, then the recurrence per tile): kept for
+//     comparison, CULA_KDA_SPLIT=1;
+//   * fused otherwise. CULA_KDA_SPLIT=0 / 1 / 2 (read per call) forces fused / split /
+//     cooperative.
+// Only shapes and the SM count go in, never a value of cu_seqlens.
+enum class Mode { kFused, kSplit, kCooperative };
+
+struct Plan {
+  Mode mode = Mode::kFused;
+  sm90::SplitPlan split;
+  size_t sync_bytes = 0;   // cooperative: flags and claim counters, zeroed per call
+  size_t stage_bytes = 0;  // finished stages
+};
+
+Plan plan_call(const KdaPrefillParams& p, int sm_count) {
+  Plan plan;
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
   const char* env = std::getenv("CULA_KDA_SPLIT");
-  // Measured (H100, docs/perf-notes.md): a win from 16 tiles down (B1 T4096 H16 0.76 -> 0.49 ms,
-  // B1 T32768 H8 5.66 -> 2.45), a loss at 64 (B1 T8192 H64 1.57 -> 1.83: the chunk-local pass then
-  // runs two chunk ranges per tile and moves ~1.9 GB), so: at most a quarter of the SMs' tiles,
-  // and at least four chunks' worth of tokens.
-  bool split = num_tiles * 4 <= sm_count && tokens >= 4 * sm90::kChunk;
-  if (env != nullptr && std::strcmp(env, "0") == 0) split = false;
-  if (env != nullptr && std::strcmp(env, "1") == 0) split = true;
-  if (!split || tokens == 0) return plan;
-  plan.slots_per_head = (tokens + sm90::kChunk - 1) / sm90::kChunk + p.num_seqs;
-  const int64_t parts = std::max<int64_t>(1, sm_count / p.num_v_heads);  // CTAs per value head
-  const int64_t per_cta = (plan.slots_per_head + parts - 1) / parts;
-  if (per_cta > INT_MAX || plan.slots_per_head > INT_MAX) return sm90::SplitPlan{};  // slots are int in the kernel
-  plan.slots_per_cta = int(per_cta);
-  plan.ctas_per_head = int((plan.slots_per_head + per_cta - 1) / per_cta);
+  if (num_tiles * 2 <= sm_count && tokens >= 4 * sm90::kChunk) plan.mode = Mode::kCooperative;
+  if (env != nullptr && std::strcmp(env, "0") == 0) plan.mode = Mode::kFused;
+  if (env != nullptr && std::strcmp(env, "1") == 0) plan.mode = Mode::kSplit;
+  if (env != nullptr && std::strcmp(env, "2") == 0) plan.mode = Mode::kCooperative;
+  // Cooperative needs helpers besides the owners (one CTA per SM).
+  if (plan.mode == Mode::kCooperative && num_tiles >= sm_count) plan.mode = Mode::kFused;
+  if (plan.mode == Mode::kFused || tokens == 0) return Plan{};
+
+  sm90::SplitPlan& sp = plan.split;
+  sp.slots_per_head = (tokens + sm90::kChunk - 1) / sm90::kChunk + p.num_seqs;
+  if (sp.slots_per_head > INT_MAX || sp.slots_per_head * p.num_v_heads > (int64_t(1) << 40)) return Plan{};
+  plan.stage_bytes = size_t(sp.slots_per_head) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
+  if (plan.mode == Mode::kSplit) {
+    const int64_t parts = std::max<int64_t>(1, sm_count / p.num_v_heads);  // CTAs per value head
+    const int64_t per_cta = (sp.slots_per_head + parts - 1) / parts;
+    sp.slots_per_cta = int(per_cta);
+    sp.ctas_per_head = int((sp.slots_per_head + per_cta - 1) / per_cta);
+  } else {
+    sp.owners = int(num_tiles);
+    // With fewer than three helpers per tile the owners' state warpgroups keep up with their own
+    // intra-chunk work too, so the owners claim chunks as well.
+    sp.owner_claims = sm_count - num_tiles < 3 * num_tiles;
+    const size_t ints = size_t(sp.slots_per_head) * size_t(p.num_v_heads) + size_t(num_tiles);
+    plan.sync_bytes = (ints * sizeof(int) + 1023) / 1024 * 1024;
+  }
   return plan;
 }
 
@@ -102,8 +125,8 @@ const char* kda_prefill_sm90_last_error() { return g_last_error; }
 size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& p) {
   int sm_count = 0;
   if (device_sm_count(&sm_count) != cudaSuccess) return 0;
-  const sm90::SplitPlan plan = plan_split(p, sm_count);
-  return size_t(plan.slots_per_head) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
+  const Plan plan = plan_call(p, sm_count);
+  return plan.sync_bytes + plan.stage_bytes;
 }
 
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
@@ -154,11 +177,27 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   int sm_count = 0;
   if ((err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
 
-  kp.split = plan_split(p, sm_count);
-  if (kp.split.slots_per_head > 0) {
-    if (p.workspace == nullptr) return invalid("the split mode needs a workspace (kda_prefill_sm90_workspace_bytes)");
+  const Plan plan = plan_call(p, sm_count);
+  kp.split = plan.split;
+  if (plan.mode != Mode::kFused) {
+    if (p.workspace == nullptr) return invalid("the split modes need a workspace (kda_prefill_sm90_workspace_bytes)");
     if (num_tiles > INT_MAX || int64_t(kp.split.ctas_per_head) * p.num_v_heads > INT_MAX)
-      return invalid("too many tiles for the split mode");
+      return invalid("too many tiles for the split modes");
+    uint8_t* ws = static_cast<uint8_t*>(p.workspace);
+    kp.problem.workspace = ws + plan.sync_bytes;  // the stages
+  }
+  if (plan.mode == Mode::kCooperative) {
+    kp.split.sync = reinterpret_cast<int*>(p.workspace);
+    if ((err = cudaMemsetAsync(p.workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
+    if (p.use_gate_in_kernel)
+      return p.use_qk_l2norm
+                 ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream)
+                 : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream);
+    return p.use_qk_l2norm
+               ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream)
+               : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream);
+  }
+  if (plan.mode == Mode::kSplit) {
     const int chunk_grid = kp.split.ctas_per_head * p.num_v_heads;
     if (p.use_gate_in_kernel)
       err = p.use_qk_l2norm

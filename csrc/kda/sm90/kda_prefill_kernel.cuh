@@ -16,6 +16,9 @@
 //   kRecurrence  warpgroup 0's producer reads finished stages back from the workspace into the
 //                ring (full -> state directly), warpgroups 2 and 3 run as above, warpgroup 1
 //                exits at once
+// and the cooperative mode launches it once, one CTA per SM: CTAs below the tile count run as
+// the fused kernel on their tile (taking the chunks helpers finished from the workspace), the
+// others as in kChunkLocal on chunks they claim (chunk_workspace.cuh).
 #pragma once
 
 #include "chunk_workspace.cuh"
@@ -35,7 +38,10 @@ static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "regis
 
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
-  static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the split passes use index order");
+  static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the split modes use index order");
+  constexpr bool kCoop = kPass == KernelPass::kCooperative;
+  // Cooperative mode: CTAs past the tiles are helpers (uniform per CTA).
+  const bool helper = kCoop && int(blockIdx.x) >= kp.split.owners;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
@@ -52,7 +58,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 32);  // the producer warp's lanes
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
       // Released by both state warpgroups, or in the chunk-local pass by the storer thread.
-      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], kPass == KernelPass::kChunkLocal ? 1 : 256);
+      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], kPass == KernelPass::kChunkLocal || helper ? 1 : 256);
     }
     if constexpr (kLongestFirst) {
 #pragma unroll
@@ -76,17 +82,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
   if (role == WarpgroupRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (threadIdx.x < 32) {  // one warp issues the loads
-      if constexpr (kPass == KernelPass::kFused) run_load_producer<kLongestFirst>(kp, smem);
+      if constexpr (kPass == KernelPass::kFused) run_load_producer<kLongestFirst, false>(kp, smem);
       if constexpr (kPass == KernelPass::kChunkLocal) run_chunk_slot_producer(kp, smem);
       if constexpr (kPass == KernelPass::kRecurrence) run_workspace_loader(kp, smem);
+      if constexpr (kCoop) {
+        if (helper) run_chunk_claim_producer(kp, smem);
+        else run_load_producer<false, true>(kp, smem);
+      }
     }
   } else if (role == WarpgroupRole::kIntra) {
     if constexpr (kPass != KernelPass::kRecurrence) {
       cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-      run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, kPass == KernelPass::kChunkLocal>(kp, smem);
+      if constexpr (kPass == KernelPass::kFused) {
+        run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, false>(kp, smem);
+      } else if constexpr (kPass == KernelPass::kChunkLocal) {
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, false>(kp, smem);
+      } else {  // cooperative: helpers take announced chunks, owners walk their tile
+        if (helper) run_intra_chunk<kGateInKernel, kL2Norm, false, true, false>(kp, smem);
+        else run_intra_chunk<kGateInKernel, kL2Norm, false, false, true>(kp, smem);
+      }
     }
-  } else if constexpr (kPass == KernelPass::kChunkLocal) {
-    if (threadIdx.x == first_thread(WarpgroupRole::kState0)) run_workspace_storer(kp, smem);
+  } else if (kPass == KernelPass::kChunkLocal || helper) {
+    // The storer: one thread; the rest of warpgroups 2 and 3 has nothing to do.
+    if constexpr (kPass == KernelPass::kChunkLocal || kCoop) {
+      if (threadIdx.x == first_thread(WarpgroupRole::kState0)) run_workspace_storer<kCoop>(kp, smem);
+    }
   } else {  // kState0, kState1: one half of the value columns each
     cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
     run_state_warpgroup<kLongestFirst, kPass == KernelPass::kRecurrence>(kp, smem,

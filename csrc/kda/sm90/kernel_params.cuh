@@ -33,7 +33,11 @@ struct ScheduleWorkspace {
 //                storer thread copies each finished stage to the workspace
 //   kRecurrence  split pass 2: one CTA per tile runs the state warpgroups on the stages read
 //                back from the workspace (no intra-chunk work left)
-enum class KernelPass : int { kFused = 0, kChunkLocal = 1, kRecurrence = 2 };
+//   kCooperative one launch of one CTA per SM: CTA b < tiles owns tile b and runs the fused
+//                kernel, except that each chunk it does not claim itself arrives finished from
+//                the workspace; the other CTAs (helpers) claim chunks of the tiles, compute them
+//                like the chunk-local pass and publish each with a flag (chunk_workspace.cuh)
+enum class KernelPass : int { kFused = 0, kChunkLocal = 1, kRecurrence = 2, kCooperative = 3 };
 
 // Split mode: the workspace holds one finished stage (kWorkspaceStageBytes) per chunk slot and
 // value head. Chunk c of sequence n (first token t0) has slot t0 / 64 + n + c within its head:
@@ -44,6 +48,11 @@ struct SplitPlan {
   int64_t slots_per_head = 0;  // ceil(tokens / 64) + N
   int slots_per_cta = 0;       // chunk-local pass: consecutive slots of one CTA
   int ctas_per_head = 0;       // chunk-local pass: grid = ctas_per_head * HV
+  // Cooperative mode: `sync` (zeroed before the launch) holds a published flag per (value head,
+  // slot), [HV][slots_per_head], then a claim counter per tile, [owners].
+  int owners = 0;              // tiles (CTAs [0, owners) own one each); 0: not cooperative
+  bool owner_claims = false;   // owners also compute chunks (few helpers per tile)
+  int* sync = nullptr;
 };
 
 struct KdaKernelParams {

@@ -64,6 +64,8 @@ struct alignas(1024) StageStorage {
   // each chunk. Past the workspace copy (kWorkspaceStageBytes), so never written to global.
   int rows;     // valid rows of the chunk (1..64), or -1: no chunk left for this CTA
   int ws_slot;  // the chunk's workspace slot within its value head
+  int ws_head;  // and that value head
+  int remote;   // cooperative mode, tile owner: the stage came finished from the workspace
 };
 
 // Split mode: the part of a finished stage that the recurrence pass needs (q..aqk_diag above,

@@ -199,7 +199,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     // The slot again rather than kept in registers across the chunk loop.
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
   }
-  zero_uncovered_rows(p, tid + 128 * half);
+  zero_uncovered_rows(p, tid + 128 * half, kp.split.owners > 0 ? kp.split.owners : int(gridDim.x));
   timer.report(half ? "state1: wait s2smem P vnew O+S store" : "state0: wait s2smem P vnew O+S store", tid);
 }
 

@@ -133,9 +133,11 @@ __device__ __forceinline__ void store_final_state(const KdaPrefillParams& p, con
 // stores, `thread` in [0, 256), CTAs interleaved.
 constexpr int kZeroTailCtas = 512;
 
-__device__ __forceinline__ void zero_uncovered_rows(const KdaPrefillParams& p, int thread) {
+// `state_ctas`: the CTAs whose state warpgroups run this (blockIdx.x below it): the grid, or in
+// the cooperative mode the tile owners.
+__device__ __forceinline__ void zero_uncovered_rows(const KdaPrefillParams& p, int thread, int state_ctas) {
   if (p.cu_seqlens == nullptr) return;
-  const int ctas = min(int(gridDim.x), kZeroTailCtas);
+  const int ctas = min(state_ctas, kZeroTailCtas);
   if (int(blockIdx.x) >= ctas) return;
   const int total = p.seqlen;
   auto clamped = [&](int n) { return int(min(max(cu_seqlens_at(p, n), int64_t(0)), int64_t(total))); };
