@@ -11,7 +11,10 @@ dtypes, int32 and int64 cu_seqlens, with and without an initial state, and once 
 final state; then with 70 sequences (lengths 0..130), whose 280 (sequence, head) tiles exceed one
 wave, under both tile schedules (index order, and longest first on persistent CTAs); then with
 GPU cu_seqlens holding bad values (decreasing, negative, past the end of the token axis), which the
-kernel must clamp to [0, T] without touching memory outside its tensors (memcheck is the check).
+kernel must clamp to [0, T] without touching memory outside its tensors (memcheck is the check);
+finally two configurations and the bad cu_seqlens again in the cooperative mode
+(CULA_KDA_COOPERATIVE=1: helper CTAs compute the chunks and hand them to the tile owners through a
+global workspace).
 Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the GPU work that
 the sanitizer instruments is the copies and the kernel itself.
 
@@ -165,6 +168,11 @@ def main() -> int:
         results.append(run_one(True, True, "kv", False, False, True, True, cu=CU_MANY))
     del os.environ["CULA_KDA_SCHEDULE"]
     results.append(run_bad_cu_seqlens())
+    os.environ["CULA_KDA_COOPERATIVE"] = "1"
+    print("sanitizer_case: CULA_KDA_COOPERATIVE=1", flush=True)
+    results += [run_one(*cfg) for cfg in CONFIGS[:2]]
+    results.append(run_bad_cu_seqlens())
+    del os.environ["CULA_KDA_COOPERATIVE"]
     print(f"sanitizer_case: {sum(results)}/{len(results)} calls matched the reference", flush=True)
     return 0 if all(results) else 1
 

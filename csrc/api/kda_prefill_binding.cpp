@@ -205,7 +205,7 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   p.beta_sigmoid = use_beta_sigmoid_in_kernel;
   p.state_vk = state_v_first;
 
-  // Split mode (few tiles): its chunk workspace comes from torch's caching allocator, stream-ordered
+  // Cooperative mode (few tiles): its workspace comes from torch's caching allocator, stream-ordered
   // (freed here, reusable by later work on this stream only) and inside a CUDA graph capture from
   // the graph's pool. The current device is the inputs' (guard above).
   at::Tensor workspace;

@@ -430,12 +430,10 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
   }
 }
 
-// kChunkSlots: the chunk-local pass of the split mode and the helpers of the cooperative mode
-// (chunk_workspace.cuh): the producer announces each chunk's row count and value head in its stage
-// (rows -1: none left) instead of the warpgroup walking tiles.
-// kRemoteStages: a tile owner of the cooperative mode, whose producer marks the stages that came
-// finished from the workspace: those go to the state warpgroups as they are.
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, bool kRemoteStages>
+// kChunkSlots: a helper of the cooperative mode (chunk_workspace.cuh): the producer announces each
+// chunk's row count and value head in its stage (rows -1: none left) instead of the warpgroup
+// walking tiles, and the storer takes the finished stage.
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots>
 __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kIntra);
@@ -475,12 +473,6 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         StageStorage& st = smem.stage[pipe.stage];
         const int rows = tile.chunk_rows(c);
         cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
-        if constexpr (kRemoteStages) {
-          if (warp_uniform(st.remote)) {  // finished by a helper: nothing to do here
-            cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);
-            continue;
-          }
-        }
         timer.mark(0);
         intra_chunk<kGateInKernel, kL2Norm>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
         // Step 9: hand the stage to the state warpgroups.

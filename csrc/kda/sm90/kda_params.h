@@ -48,8 +48,9 @@ struct KdaPrefillParams {
   void* o = nullptr;                    // bf16 [B, T, HV, V]
 
   // ---- workspace -----------------------------------------------------------------------
-  // Split mode only (few tiles: kda_prefill_sm90_workspace_bytes(p) > 0): device memory of that
-  // many bytes, 16-byte aligned, owned by the caller; its contents need no initialisation.
+  // Cooperative mode only (few tiles: kda_prefill_sm90_workspace_bytes(p) > 0): device memory of
+  // that many bytes, 16-byte aligned, owned by the caller; its contents need no initialisation
+  // (the launch zeroes the part that needs it, on the stream).
   void* workspace = nullptr;
 
   // ---- sizes ---------------------------------------------------------------------------

@@ -60,22 +60,20 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
   *out = ws;
   return cudaSuccess;
 }
-// How a call runs (kernel_params.cuh: KernelPass). With few (sequence, value head) tiles, the fused
-// kernel keeps at most that many SMs busy, and each tile takes its chunk count times the
-// intra-chunk warpgroup's time per chunk, although none of that work depends on the state:
-//   * cooperative (default from half the SMs' tiles down): one CTA per SM; the tile owners run
-//     the fused kernel and the other CTAs compute chunks for them (chunk_workspace.cuh);
-//   * split (two launches: all chunks in parallel, then the recurrence per tile): kept for
-//     comparison, CULA_KDA_SPLIT=1;
-//   * fused otherwise. CULA_KDA_SPLIT=0 / 1 / 2 (read per call) forces fused / split /
-//     cooperative.
+// Fused kernel or cooperative mode (kernel_params.cuh: KernelPass). With few (sequence, value
+// head) tiles, the fused kernel keeps only that many SMs busy and each tile takes its chunk count
+// times the intra-chunk warpgroup's time per chunk (~12 us); in the cooperative mode the other SMs
+// compute chunks for the tile owners, whose state chain (~4 us per chunk) then sets the pace. A
+// helper computes a chunk in ~13 us, so it pays once a tile has more than about one helper;
+// measured on an H100 (docs/perf-notes.md): B1 T8192 H32 (32 tiles, 3.1 helpers each) 1.62 ->
+// 0.83 ms, B1 T8192 H64 (64 tiles, 1.06 helpers each) 1.58 -> 2.11 ms. So: cooperative when the
+// helpers number at least 1.5 per tile (tiles <= 0.4 x SMs) and there are at least four chunks of
+// tokens. CULA_KDA_COOPERATIVE=0 / =1 (read per call) forces either (1: with at least one helper).
 // Only shapes and the SM count go in, never a value of cu_seqlens.
-enum class Mode { kFused, kSplit, kCooperative };
-
 struct Plan {
-  Mode mode = Mode::kFused;
-  sm90::SplitPlan split;
-  size_t sync_bytes = 0;   // cooperative: flags and claim counters, zeroed per call
+  bool cooperative = false;
+  sm90::CooperativePlan coop;
+  size_t sync_bytes = 0;   // flags and claim counters, zeroed per call
   size_t stage_bytes = 0;  // finished stages
 };
 
@@ -83,32 +81,19 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   Plan plan;
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
-  const char* env = std::getenv("CULA_KDA_SPLIT");
-  if (num_tiles * 2 <= sm_count && tokens >= 4 * sm90::kChunk) plan.mode = Mode::kCooperative;
-  if (env != nullptr && std::strcmp(env, "0") == 0) plan.mode = Mode::kFused;
-  if (env != nullptr && std::strcmp(env, "1") == 0) plan.mode = Mode::kSplit;
-  if (env != nullptr && std::strcmp(env, "2") == 0) plan.mode = Mode::kCooperative;
-  // Cooperative needs helpers besides the owners (one CTA per SM).
-  if (plan.mode == Mode::kCooperative && num_tiles >= sm_count) plan.mode = Mode::kFused;
-  if (plan.mode == Mode::kFused || tokens == 0) return Plan{};
-
-  sm90::SplitPlan& sp = plan.split;
-  sp.slots_per_head = (tokens + sm90::kChunk - 1) / sm90::kChunk + p.num_seqs;
-  if (sp.slots_per_head > INT_MAX || sp.slots_per_head * p.num_v_heads > (int64_t(1) << 40)) return Plan{};
-  plan.stage_bytes = size_t(sp.slots_per_head) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
-  if (plan.mode == Mode::kSplit) {
-    const int64_t parts = std::max<int64_t>(1, sm_count / p.num_v_heads);  // CTAs per value head
-    const int64_t per_cta = (sp.slots_per_head + parts - 1) / parts;
-    sp.slots_per_cta = int(per_cta);
-    sp.ctas_per_head = int((sp.slots_per_head + per_cta - 1) / per_cta);
-  } else {
-    sp.owners = int(num_tiles);
-    // With fewer than three helpers per tile the owners' state warpgroups keep up with their own
-    // intra-chunk work too, so the owners claim chunks as well.
-    sp.owner_claims = sm_count - num_tiles < 3 * num_tiles;
-    const size_t ints = size_t(sp.slots_per_head) * size_t(p.num_v_heads) + size_t(num_tiles);
-    plan.sync_bytes = (ints * sizeof(int) + 1023) / 1024 * 1024;
-  }
+  bool coop = num_tiles * 5 <= int64_t(sm_count) * 2 && tokens >= 4 * sm90::kChunk;
+  const char* env = std::getenv("CULA_KDA_COOPERATIVE");
+  if (env != nullptr && std::strcmp(env, "0") == 0) coop = false;
+  if (env != nullptr && std::strcmp(env, "1") == 0) coop = true;
+  if (!coop || tokens == 0 || num_tiles >= sm_count) return plan;
+  const int64_t slots = (tokens + sm90::kChunk - 1) / sm90::kChunk + p.num_seqs;
+  if (slots > INT_MAX) return plan;
+  plan.cooperative = true;
+  plan.coop.slots_per_head = slots;
+  plan.coop.owners = int(num_tiles);
+  plan.stage_bytes = size_t(slots) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
+  const size_t ints = size_t(slots) * size_t(p.num_v_heads) + size_t(num_tiles);
+  plan.sync_bytes = (ints * sizeof(int) + 1023) / 1024 * 1024;
   return plan;
 }
 
@@ -178,16 +163,11 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   if ((err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
 
   const Plan plan = plan_call(p, sm_count);
-  kp.split = plan.split;
-  if (plan.mode != Mode::kFused) {
-    if (p.workspace == nullptr) return invalid("the split modes need a workspace (kda_prefill_sm90_workspace_bytes)");
-    if (num_tiles > INT_MAX || int64_t(kp.split.ctas_per_head) * p.num_v_heads > INT_MAX)
-      return invalid("too many tiles for the split modes");
-    uint8_t* ws = static_cast<uint8_t*>(p.workspace);
-    kp.problem.workspace = ws + plan.sync_bytes;  // the stages
-  }
-  if (plan.mode == Mode::kCooperative) {
-    kp.split.sync = reinterpret_cast<int*>(p.workspace);
+  if (plan.cooperative) {
+    if (p.workspace == nullptr) return invalid("the cooperative mode needs a workspace (kda_prefill_sm90_workspace_bytes)");
+    kp.coop = plan.coop;
+    kp.coop.sync = static_cast<int*>(p.workspace);
+    kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes;  // the stages
     if ((err = cudaMemsetAsync(p.workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
     if (p.use_gate_in_kernel)
       return p.use_qk_l2norm
@@ -196,19 +176,6 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
     return p.use_qk_l2norm
                ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream)
                : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream);
-  }
-  if (plan.mode == Mode::kSplit) {
-    const int chunk_grid = kp.split.ctas_per_head * p.num_v_heads;
-    if (p.use_gate_in_kernel)
-      err = p.use_qk_l2norm
-                ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kChunkLocal>(kp, chunk_grid, stream)
-                : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kChunkLocal>(kp, chunk_grid, stream);
-    else
-      err = p.use_qk_l2norm
-                ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kChunkLocal>(kp, chunk_grid, stream)
-                : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kChunkLocal>(kp, chunk_grid, stream);
-    if (err != cudaSuccess) return err;
-    return sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kRecurrence>(kp, int(num_tiles), stream);
   }
 
   // Tile schedule (tile_scheduler.cuh). Longest first on one persistent CTA per SM pays off where

@@ -8,17 +8,12 @@
 // Hand-offs are mbarriers per stage: full (TMA -> intra), ready (intra -> state), empty (state ->
 // producer). setmaxnreg moves registers from the producer to the math warpgroups.
 //
-// The split mode (few tiles, kernel_params.cuh: KernelPass) launches the same kernel twice:
-//   kChunkLocal  warpgroup 0's producer walks the CTA's chunk slots (chunk_workspace.cuh),
-//                warpgroup 1 runs the intra-chunk work as above, and one thread of warpgroup 2
-//                (the storer) copies each finished stage to the workspace and releases it;
-//                the rest of warpgroups 2 and 3 exits at once
-//   kRecurrence  warpgroup 0's producer reads finished stages back from the workspace into the
-//                ring (full -> state directly), warpgroups 2 and 3 run as above, warpgroup 1
-//                exits at once
-// and the cooperative mode launches it once, one CTA per SM: CTAs below the tile count run as
-// the fused kernel on their tile (taking the chunks helpers finished from the workspace), the
-// others as in kChunkLocal on chunks they claim (chunk_workspace.cuh).
+// The cooperative mode (few tiles; kernel_params.cuh: KernelPass) launches the same kernel with one
+// CTA per SM: in the tile owners (blockIdx.x < tiles) warpgroup 0's producer reads finished stages
+// from the workspace (full -> state directly), warpgroups 2 and 3 run as above, and warpgroup 1
+// exits at once; in the helpers, warpgroup 0's producer claims chunks, warpgroup 1 runs as above,
+// and one thread of warpgroup 2 (the storer) publishes each finished stage to the workspace
+// (chunk_workspace.cuh); the rest of warpgroups 2 and 3 exits at once.
 #pragma once
 
 #include "chunk_workspace.cuh"
@@ -38,10 +33,10 @@ static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "regis
 
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
-  static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the split modes use index order");
+  static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the cooperative mode uses index order for its owners");
   constexpr bool kCoop = kPass == KernelPass::kCooperative;
   // Cooperative mode: CTAs past the tiles are helpers (uniform per CTA).
-  const bool helper = kCoop && int(blockIdx.x) >= kp.split.owners;
+  const bool helper = kCoop && int(blockIdx.x) >= kp.coop.owners;
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
@@ -57,8 +52,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 32);  // the producer warp's lanes
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
-      // Released by both state warpgroups, or in the chunk-local pass by the storer thread.
-      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], kPass == KernelPass::kChunkLocal || helper ? 1 : 256);
+      // Released by both state warpgroups, or in a cooperative helper by the storer thread.
+      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : 256);
     }
     if constexpr (kLongestFirst) {
 #pragma unroll
@@ -79,38 +74,35 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     __syncthreads();
   }
 
+  // Fused: every role on its tile. Cooperative: owners and helpers as above (if constexpr keeps the
+  // fused instantiations free of the cooperative code).
   if (role == WarpgroupRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (threadIdx.x < 32) {  // one warp issues the loads
-      if constexpr (kPass == KernelPass::kFused) run_load_producer<kLongestFirst, false>(kp, smem);
-      if constexpr (kPass == KernelPass::kChunkLocal) run_chunk_slot_producer(kp, smem);
-      if constexpr (kPass == KernelPass::kRecurrence) run_workspace_loader(kp, smem);
       if constexpr (kCoop) {
         if (helper) run_chunk_claim_producer(kp, smem);
-        else run_load_producer<false, true>(kp, smem);
+        else run_workspace_loader(kp, smem);
+      } else {
+        run_load_producer<kLongestFirst>(kp, smem);
       }
     }
   } else if (role == WarpgroupRole::kIntra) {
-    if constexpr (kPass != KernelPass::kRecurrence) {
-      cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-      if constexpr (kPass == KernelPass::kFused) {
-        run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, false>(kp, smem);
-      } else if constexpr (kPass == KernelPass::kChunkLocal) {
-        run_intra_chunk<kGateInKernel, kL2Norm, false, true, false>(kp, smem);
-      } else {  // cooperative: helpers take announced chunks, owners walk their tile
-        if (helper) run_intra_chunk<kGateInKernel, kL2Norm, false, true, false>(kp, smem);
-        else run_intra_chunk<kGateInKernel, kL2Norm, false, false, true>(kp, smem);
+    if constexpr (kCoop) {
+      if (helper) {
+        cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true>(kp, smem);
       }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
+      run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false>(kp, smem);
     }
-  } else if (kPass == KernelPass::kChunkLocal || helper) {
-    // The storer: one thread; the rest of warpgroups 2 and 3 has nothing to do.
-    if constexpr (kPass == KernelPass::kChunkLocal || kCoop) {
-      if (threadIdx.x == first_thread(WarpgroupRole::kState0)) run_workspace_storer<kCoop>(kp, smem);
+  } else if (helper) {
+    if constexpr (kCoop) {
+      if (threadIdx.x == first_thread(WarpgroupRole::kState0)) run_workspace_storer(kp, smem);
     }
   } else {  // kState0, kState1: one half of the value columns each
     cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-    run_state_warpgroup<kLongestFirst, kPass == KernelPass::kRecurrence>(kp, smem,
-                                                                         int(role) - int(WarpgroupRole::kState0));
+    run_state_warpgroup<kLongestFirst, kCoop>(kp, smem, int(role) - int(WarpgroupRole::kState0));
   }
 #endif
 }

@@ -7,15 +7,16 @@
 
 namespace cula::kda {
 
-// Launches the fused kernel for `params` on `stream`. The caller has validated the arguments
-// (see csrc/api); this checks what the kernel itself relies on and returns an error otherwise.
-// No host synchronisation; no allocation except, on the first longest-first launch on a stream, its
-// 16 KB schedule workspace (kept for the life of the process).
+// Launches the kernel for `params` on `stream` (fused, or for few tiles the cooperative mode, which
+// also zeroes its flags in params.workspace with one memset). The caller has validated the
+// arguments (see csrc/api); this checks what the kernel itself relies on and returns an error
+// otherwise. No host synchronisation; no allocation except, on the first longest-first launch on
+// a stream, its 16 KB schedule workspace (kept for the life of the process).
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream);
 
 // Bytes of device workspace that kda_prefill_sm90 needs for `params` on the current device: 0 when
-// it runs the fused kernel, else the split mode's chunk stages (the caller allocates them and
-// sets params.workspace). Same decision as kda_prefill_sm90 (CULA_KDA_SPLIT=0/1 forces it).
+// it runs the fused kernel, else the cooperative mode's finished stages and flags (the caller
+// allocates them and sets params.workspace). Same decision as kda_prefill_sm90 (CULA_KDA_COOPERATIVE=0/1 forces it).
 size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& params);
 
 // Human-readable reason of the last cudaErrorInvalidValue returned by kda_prefill_sm90 (or "").

@@ -25,33 +25,26 @@ struct ScheduleWorkspace {
   int sorted_seq[kSortMaxSeqs];  // sequences, most chunks first (every CTA writes the same values)
 };
 
-// Which part of the work one launch does (kda_prefill_kernel.cuh). The split mode runs two
-// launches for calls with fewer (sequence, value head) tiles than SMs (kda_prefill_dispatch.cu):
-//   kFused       one CTA per tile does everything (producer, intra-chunk, state warpgroups)
-//   kChunkLocal  split pass 1: CTAs over (value head, range of chunk slots) run the producer and
-//                the intra-chunk warpgroup on every chunk of their range in parallel, and a
-//                storer thread copies each finished stage to the workspace
-//   kRecurrence  split pass 2: one CTA per tile runs the state warpgroups on the stages read
-//                back from the workspace (no intra-chunk work left)
-//   kCooperative one launch of one CTA per SM: CTA b < tiles owns tile b and runs the fused
-//                kernel, except that each chunk it does not claim itself arrives finished from
-//                the workspace; the other CTAs (helpers) claim chunks of the tiles, compute them
-//                like the chunk-local pass and publish each with a flag (chunk_workspace.cuh)
-enum class KernelPass : int { kFused = 0, kChunkLocal = 1, kRecurrence = 2, kCooperative = 3 };
+// How a launch divides the work (kda_prefill_kernel.cuh):
+//   kFused        one CTA per (sequence, value head) tile runs everything (producer, intra-chunk,
+//                 state warpgroups)
+//   kCooperative  few tiles (kda_prefill_dispatch.cu): one CTA per SM. CTA b < tiles owns tile b
+//                 and runs only its recurrence (producer + state warpgroups) on finished stages
+//                 read from a workspace; the other CTAs, the helpers, claim chunks of the tiles,
+//                 run the intra-chunk work on them and publish each finished stage there with a
+//                 flag (chunk_workspace.cuh). The chunk-local work of a tile then runs on many
+//                 SMs at once instead of on its owner's one intra-chunk warpgroup.
+enum class KernelPass : int { kFused = 0, kCooperative = 1 };
 
-// Split mode: the workspace holds one finished stage (kWorkspaceStageBytes) per chunk slot and
-// value head. Chunk c of sequence n (first token t0) has slot t0 / 64 + n + c within its head:
+// Cooperative mode. The workspace holds one finished stage (kWorkspaceStageBytes) per chunk slot
+// and value head. Chunk c of sequence n (first token t0) has slot t0 / 64 + n + c within its head:
 // slots of consecutive sequences never overlap (floor(t0' / 64) + 1 >= floor(t0 / 64) +
 // ceil(len / 64) for t0' = t0 + len), and every slot is below ceil(T / 64) + N whatever the
-// (clamped) cu_seqlens values are.
-struct SplitPlan {
+// (clamped) cu_seqlens values are. `sync` (zeroed before each launch) holds a published flag per
+// (value head, slot), [HV][slots_per_head], then a claim counter per tile, [owners].
+struct CooperativePlan {
   int64_t slots_per_head = 0;  // ceil(tokens / 64) + N
-  int slots_per_cta = 0;       // chunk-local pass: consecutive slots of one CTA
-  int ctas_per_head = 0;       // chunk-local pass: grid = ctas_per_head * HV
-  // Cooperative mode: `sync` (zeroed before the launch) holds a published flag per (value head,
-  // slot), [HV][slots_per_head], then a claim counter per tile, [owners].
-  int owners = 0;              // tiles (CTAs [0, owners) own one each); 0: not cooperative
-  bool owner_claims = false;   // owners also compute chunks (few helpers per tile)
+  int owners = 0;              // tiles: CTAs [0, owners) own one each; 0 in the fused kernel
   int* sync = nullptr;
 };
 
@@ -62,7 +55,7 @@ struct KdaKernelParams {
   CUtensorMap tma_g;  // [tokens, HV, K]
   KdaPrefillParams problem;
   ScheduleWorkspace* schedule = nullptr;  // longest-first schedule only
-  SplitPlan split;                         // split mode only (problem.workspace holds the stages)
+  CooperativePlan coop;                    // cooperative mode only (problem.workspace holds the stages)
 };
 
 }  // namespace cula::kda::sm90

@@ -67,44 +67,7 @@ __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uin
   __syncwarp();
 }
 
-// Cooperative mode, tile owner (tile index = blockIdx.x): chunk c of the tile is this CTA's own work
-// if it claimed it (only with owner_claims: with many helpers per tile the owner's state chain is
-// the bottleneck and its own intra-chunk work would only stall it), else a helper did it and the
-// finished stage comes from the workspace once the helper's flag says it is there.
-__device__ __forceinline__ bool owner_takes_chunk(const KdaKernelParams& kp, int tile_index, int c, int& my_claim,
-                                                  int lane) {
-  if (!kp.split.owner_claims) return false;
-  if (my_claim < c) {  // every chunk before c was claimed by someone, so the claim is >= c
-    int m = 0;
-    if (lane == 0) m = atomicAdd(kp.split.sync + int64_t(kp.problem.num_v_heads) * kp.split.slots_per_head + tile_index, 1);
-    my_claim = __shfl_sync(0xffffffffu, m, 0);
-  }
-  return my_claim == c;
-}
-
-__device__ __forceinline__ void load_published_stage(const KdaKernelParams& kp, uint64_t& full_bar, StageStorage& st,
-                                                     int v_head, int64_t slot, int lane) {
-  uint64_t* bar = &full_bar;
-  if (lane == 0) {
-    const int* flag = kp.split.sync + int64_t(v_head) * kp.split.slots_per_head + slot;
-    int ready = 0;
-    for (;;) {
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
-      if (ready) break;
-      __nanosleep(200);
-    }
-    asm volatile("fence.proxy.async.global;" ::: "memory");  // the flag (generic) before the copy (async)
-    st.remote = 1;
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kWorkspaceStageBytes);
-    cute::SM90_BULK_COPY_G2S::copy(static_cast<const uint8_t*>(kp.problem.workspace) +
-                                       (int64_t(v_head) * kp.split.slots_per_head + slot) * int64_t(kWorkspaceStageBytes),
-                                   bar, &st, kWorkspaceStageBytes);
-  }
-  __syncwarp();
-  if (lane != 0) cutlass::arch::ClusterBarrier::arrive(bar);
-}
-
-template <bool kLongestFirst, bool kCooperative>
+template <bool kLongestFirst>
 __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
@@ -118,20 +81,12 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
   }
 
   TileCursor cursor;
-  int my_claim = -1;  // cooperative: the last chunk this CTA claimed
   for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/true>(kp, smem, cursor, tile);) {
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
       // Wait until both state warpgroups have released this stage (first pass: free).
       cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
 
-      if constexpr (kCooperative) {
-        if (!owner_takes_chunk(kp, int(blockIdx.x), c, my_claim, lane)) {
-          load_published_stage(kp, smem.full_bar[pipe.stage], st, tile.v_head, tile.token0 / kChunk + tile.seq + c, lane);
-          continue;
-        }
-        if (lane == 0) st.remote = 0;
-      }
       const int rows = tile.chunk_rows(c);
       const int64_t token = tile.token0 + int64_t(c) * kChunk;
       load_beta(p, st, tile.v_head, token, rows, lane);

@@ -60,17 +60,16 @@ struct alignas(1024) StageStorage {
   float r_block[kNumSubBlocks][kHeadDim];          // log2 cumulative decay at each block end
   float beta[kChunk];
   float aqk_diag[kChunk];  // A_qk[i, i] = q_i . k_i in fp32 (0 past the end); applied by the state WGs
-  // Split mode, chunk-local pass only (chunk_workspace.cuh): what the producer announces with
-  // each chunk. Past the workspace copy (kWorkspaceStageBytes), so never written to global.
+  // Cooperative helpers only (chunk_workspace.cuh): what the producer announces with each chunk.
+  // Past the workspace copy (kWorkspaceStageBytes), so never written to global memory.
   int rows;     // valid rows of the chunk (1..64), or -1: no chunk left for this CTA
   int ws_slot;  // the chunk's workspace slot within its value head
   int ws_head;  // and that value head
-  int remote;   // cooperative mode, tile owner: the stage came finished from the workspace
 };
 
-// Split mode: the part of a finished stage that the recurrence pass needs (q..aqk_diag above,
-// in shared-memory byte layout, swizzle included), copied to and from global memory as one bulk
-// copy per chunk.
+// Cooperative mode: the part of a finished stage that the state warpgroups need (q..aqk_diag
+// above, in shared-memory byte layout, swizzle included), copied to and from global memory as
+// one bulk copy per chunk.
 constexpr int kWorkspaceStageBytes = 4 * kTileBytes + kChunk * kChunk * 2 + kNumSubBlocks * kHeadDim * 4 + 2 * kChunk * 4;
 static_assert(kWorkspaceStageBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 

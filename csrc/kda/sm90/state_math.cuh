@@ -34,8 +34,8 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
       }
 }
 
-// kFromWorkspace: the split mode's recurrence pass, where the stages arrive finished from the
-// workspace (chunk_workspace.cuh) and the wait is on `full` rather than on the intra warpgroup.
+// kFromWorkspace: a tile owner of the cooperative mode, whose stages arrive finished from the
+// workspace (chunk_workspace.cuh): the wait is on `full` rather than on the intra warpgroup.
 template <bool kLongestFirst, bool kFromWorkspace>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   const KdaPrefillParams& p = kp.problem;
@@ -199,7 +199,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     // The slot again rather than kept in registers across the chunk loop.
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
   }
-  zero_uncovered_rows(p, tid + 128 * half, kp.split.owners > 0 ? kp.split.owners : int(gridDim.x));
+  zero_uncovered_rows(p, tid + 128 * half, kp.coop.owners > 0 ? kp.coop.owners : int(gridDim.x));
   timer.report(half ? "state1: wait s2smem P vnew O+S store" : "state0: wait s2smem P vnew O+S store", tid);
 }
 

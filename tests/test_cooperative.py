@@ -1,0 +1,105 @@
+"""GPU tests of the sm90 kernel's cooperative mode for few tiles (``docs/kernel.md``, "Few tiles:
+the cooperative mode").
+
+With few (sequence, value head) tiles, one CTA runs per SM: the CTAs without a tile claim chunks,
+compute them and publish each finished stage through a workspace; each tile's owner runs the
+recurrence on them. ``CULA_KDA_COOPERATIVE=0`` / ``=1`` forces the fused kernel / the cooperative
+mode (read per call), so every case here runs both:
+
+* each against the fp32 recurrence (the numerics contract, as in ``test_sm90.py``);
+* cooperative against fused **bitwise**: the state warpgroups consume byte copies of the stages
+  the fused kernel would have handed over, so any difference is a bug (a chunk at the wrong slot,
+  a missing, stale or early-read stage), not rounding.
+
+Cases: sequences shorter than one chunk, lengths on and off chunk edges, one head (131 helpers on
+one tile), varlen mixes of long, short, length-1 and empty sequences with initial states, both
+state layouts, GVA, precomputed gates, bf16 beta, T = 65536 with an initial state; also the
+default choice, determinism (which CTA computes which chunk changes from run to run; the bits
+must not), and a CUDA-graph capture (the workspace comes from the graph's pool).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_sm90 import Spec, compare_to_reference, gpu_sm90, make_inputs, run_sm90, varlen
+
+CASES = [
+    Spec(B=1, T=4096, H=2, HV=4, h0=True, layout="kv"),
+    Spec(B=1, T=1000, H=1, HV=1, h0=True, layout="vk"),  # one tile, 131 helpers, 16 chunks
+    Spec(B=1, T=40, H=1, HV=2, h0=True, layout="kv"),  # shorter than a chunk
+    Spec(B=2, T=777, H=2, HV=8, h0=True, layout="vk", gate="given", l2norm=False, beta="bf16"),
+    Spec(B=1, T=2048, H=4, HV=16, h0=False, layout="kv", gate="lb_dtb", l2norm=False),  # GVA
+    varlen("mix", [3000, 1, 0, 64, 65, 130, 2000], H=2, HV=4, h0=True, layout="vk"),
+    varlen("long_short", [6000, 37, 100, 1], H=8, HV=8, h0=True, layout="kv", gate="lb_alog"),
+    varlen("empties", [0, 0, 129, 0], H=1, HV=1, h0=True, layout="kv", cu64=True),
+]
+
+
+def _run(inp: dict, cooperative: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE", cooperative)
+    return run_sm90(inp)
+
+
+@gpu_sm90
+@pytest.mark.parametrize("spec", [pytest.param(s, id=s.id) for s in CASES])
+def test_cooperative_matches_fused_and_reference(spec: Spec, seed: int, monkeypatch):
+    inp = make_inputs(spec)
+    o_fused, s_fused = _run(inp, "0", monkeypatch)
+    o, s = _run(inp, "1", monkeypatch)
+    compare_to_reference(spec, inp, o, s, what=f"{spec.id} cooperative")
+    assert torch.equal(o, o_fused), f"o: cooperative and fused differ, max {(o.float() - o_fused.float()).abs().max()}"
+    assert torch.equal(s, s_fused), f"state: cooperative and fused differ, max {(s - s_fused).abs().max()}"
+
+
+@gpu_sm90
+def test_long_sequence_with_initial_state(seed: int, monkeypatch):
+    """T = 65536 on one head: 1024 chunks computed by 131 helpers, 1024 steps of recurrence."""
+    spec = Spec(B=1, T=65536, H=1, HV=1, h0=True, layout="kv")
+    inp = make_inputs(spec)
+    o, fs = _run(inp, "1", monkeypatch)
+    compare_to_reference(spec, inp, o, fs, what=f"{spec.id} cooperative")
+
+
+@gpu_sm90
+def test_cooperative_is_the_default_for_few_tiles(seed: int, monkeypatch):
+    """Without the variable, a call with few tiles takes the cooperative mode: bitwise the forced
+    one (and the forced fused kernel)."""
+    spec = Spec(B=1, T=700, H=2, HV=4, h0=True)
+    inp = make_inputs(spec)
+    o_forced, s_forced = _run(inp, "1", monkeypatch)
+    monkeypatch.delenv("CULA_KDA_COOPERATIVE")
+    o_auto, s_auto = run_sm90(inp)
+    assert torch.equal(o_auto, o_forced) and torch.equal(s_auto, s_forced)
+
+
+@gpu_sm90
+def test_deterministic(seed: int, monkeypatch):
+    spec = varlen("det", [1500, 3, 700], H=2, HV=4, h0=True)
+    inp = make_inputs(spec)
+    o1, s1 = _run(inp, "1", monkeypatch)
+    for _ in range(3):
+        o2, s2 = _run(inp, "1", monkeypatch)
+        assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
+@gpu_sm90
+def test_cuda_graph(seed: int, monkeypatch):
+    """Captured with its workspace from the graph's pool; a replay on new inputs written in place
+    equals the eager call on them."""
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
+    spec = varlen("graph", [900, 64, 1], H=2, HV=4, h0=True)
+    inp = make_inputs(spec)
+    run_sm90(inp)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, s_g = run_sm90(inp)
+    fresh = make_inputs(spec)
+    for key in ("q", "k", "v", "g", "beta", "initial_state"):
+        inp[key].copy_(fresh[key])
+    graph.replay()
+    torch.cuda.synchronize()
+    o_e, s_e = run_sm90(inp)
+    assert torch.equal(o_g, o_e) and torch.equal(s_g, s_e)
