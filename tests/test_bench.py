@@ -195,6 +195,18 @@ def test_cula_schedule_rule():
     assert cula_schedule(Config("fixed", 2, 64, 64, 64), 132, forced="longest_first") == "index"
 
 
+def test_cula_cooperative_rule():
+    """Few tiles (at most 0.4 x the SMs) with at least four chunks of tokens: cooperative."""
+    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="") == "cooperative"
+    assert cula_schedule(Config("fixed", 1, 8192, 52, 52), 132, forced="", cooperative="") == "cooperative"
+    assert cula_schedule(Config("fixed", 1, 8192, 53, 53), 132, forced="", cooperative="") == "index"
+    assert cula_schedule(Config("fixed", 1, 8192, 64, 64), 132, forced="", cooperative="") == "index"
+    assert cula_schedule(Config("fixed", 1, 255, 4, 4), 132, forced="", cooperative="") == "index"
+    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="0") == "index"
+    assert cula_schedule(Config("fixed", 1, 8192, 64, 64), 132, forced="", cooperative="1") == "cooperative"
+    assert cula_schedule(Config("fixed", 2, 8192, 66, 66), 132, forced="", cooperative="1") == "index"
+
+
 def _fake_flash_kda_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,
                         initial_state=None, final_state=None, cu_seqlens=None):
     """FlashKDA's documented contract, computed by cula's reference: beta are logits, q/k are

@@ -17,16 +17,32 @@ from kda_bench.util import first_line
 SORT_MAX_SEQS = 4096
 LONGEST_FIRST_MAX_MEAN_TOKENS = 320
 SCHEDULE_ENV = "CULA_KDA_SCHEDULE"
+COOPERATIVE_ENV = "CULA_KDA_COOPERATIVE"
+CHUNK = 64
 
 
-def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None) -> str:
-    """The tile schedule cula's dispatch picks: "longest-first" (persistent CTAs) when there are
-    more (sequence, value head) tiles than SMs and the mean sequence is short (or
-    ``CULA_KDA_SCHEDULE=longest_first``), else "index" (one CTA per tile); ``forced`` is the
-    value of that variable (read from the environment when None)."""
+def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
+                  cooperative: str | None = None) -> str:
+    """The launch cula's dispatch picks: "cooperative" (one CTA per SM, the CTAs without a tile
+    compute chunks for the tile owners) when the (sequence, value head) tiles number at most
+    0.4 x the SMs and there are at least four chunks of tokens (or ``CULA_KDA_COOPERATIVE=1``,
+    with fewer tiles than SMs; ``=0`` never); else "longest-first" (persistent CTAs) when there are
+    more tiles than SMs and the mean sequence is short (or ``CULA_KDA_SCHEDULE=longest_first``);
+    else "index" (one CTA per tile). ``forced`` / ``cooperative``: the values of those variables
+    (read from the environment when None)."""
     if forced is None:
         forced = os.environ.get(SCHEDULE_ENV)
+    if cooperative is None:
+        cooperative = os.environ.get(COOPERATIVE_ENV)
     tiles = cfg.N * cfg.HV
+    tokens = cfg.B * cfg.T
+    coop = 5 * tiles <= 2 * sm_count and tokens >= 4 * CHUNK
+    if cooperative == "0":
+        coop = False
+    elif cooperative == "1":
+        coop = True
+    if coop and tokens > 0 and tiles < sm_count:
+        return "cooperative"
     short = cfg.B * cfg.T < LONGEST_FIRST_MAX_MEAN_TOKENS * cfg.N
     longest_first = (forced != "index" and tiles > sm_count and cfg.N <= SORT_MAX_SEQS
                      and (short or forced == "longest_first"))
