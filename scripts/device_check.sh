@@ -10,7 +10,9 @@
 #            errors of every comparison: $OUT/error_table.md)
 #   sanitizer scripts/sanitizer_check.sh: memcheck, racecheck, synccheck (logs: $OUT/sanitizer_*.log)
 #   bench    python benchmarks/bench_kda_prefill.py --quick --json $OUT/bench.json --md $OUT/bench.md
-# plus $OUT/env.txt (GPU, driver, versions, commit) and $OUT/summary.txt.
+#            python benchmarks/bench_serving.py (the serving row: $OUT/bench_serving.{json,md})
+# plus $OUT/env.txt (GPU, driver, versions, commit), $OUT/summary.txt, and all of it in
+# $OUT/device_check_all.tgz (for remote runners that return only a few files).
 #
 #   OUT=/path bash scripts/device_check.sh       (OUT defaults to ./device_out)
 # Env: SKIP_WHEELS=1 SKIP_BUILD=1 SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1 skip a stage; COMMIT=<sha> names the
@@ -181,10 +183,14 @@ else
   $PY benchmarks/bench_kda_prefill.py ${BENCH_ARGS:---quick} --json "$OUT/bench.json" --md "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 |
     tee "$OUT/bench.log"
   rc=${PIPESTATUS[0]}
-  if ((rc == 0)); then
-    record bench ok $((SECONDS - S0)) "$OUT/bench.json $OUT/bench.md"
+  # The serving row (pooled vs plain vs gather + scatter): a few seconds.
+  $PY benchmarks/bench_serving.py --json "$OUT/bench_serving.json" --md "$OUT/bench_serving.md" 2>&1 |
+    tee -a "$OUT/bench.log"
+  rc_serving=${PIPESTATUS[0]}
+  if ((rc == 0 && rc_serving == 0)); then
+    record bench ok $((SECONDS - S0)) "$OUT/bench.json $OUT/bench.md $OUT/bench_serving.md"
   else
-    record bench FAILED $((SECONDS - S0)) "rc=$rc, see $OUT/bench.log"
+    record bench FAILED $((SECONDS - S0)) "rc=$rc, serving rc=$rc_serving, see $OUT/bench.log"
   fi
 fi
 
@@ -197,4 +203,6 @@ fi
   printf '%s\n' "${SUMMARY[@]}"
   if ((FAILED)); then echo "RESULT: FAILED"; else echo "RESULT: OK"; fi
 } | tee "$OUT/summary.txt"
+# Everything in one archive too: a remote runner may bring back only a few files of $OUT.
+(cd "$OUT" && tar czf device_check_all.tgz --exclude=device_check_all.tgz ./* 2>/dev/null) || true
 exit $FAILED

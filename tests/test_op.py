@@ -161,6 +161,39 @@ def test_op_writes_only_its_outputs(seed: int) -> None:
             assert torch.equal(a, b), f"input {OP._schema.arguments[i].name} was modified"
 
 
+def test_eager_path_calls_the_implementation_directly(seed: int, monkeypatch) -> None:
+    """Plain eager calls skip the op's Python dispatch (its implementation runs directly, same
+    result as the op) and still bump the version counters of what they write; anything that
+    traces or observes dispatch goes through the op."""
+    from cula.kda import op as op_mod
+
+    x = inputs()
+    args, kwargs = op_args(x, cu=torch.tensor([0, 3, 6]), gate=True)
+    o, fs = args[11], args[12]
+    v0, f0 = o._version, fs._version
+    calls = []
+    real_op = torch.ops.cula.kda_prefill
+    monkeypatch.setattr(torch.ops.cula, "kda_prefill", lambda *a, **k: (calls.append(1), real_op(*a, **k)))
+    op_mod.call_kda_prefill(*args, **kwargs)
+    assert calls == [], "plain eager went through the op"
+    assert o._version > v0 and fs._version > f0
+    o_direct, fs_direct = o.clone(), fs.clone()
+    real_op(*args, **kwargs)
+    assert torch.equal(o, o_direct) and torch.equal(fs, fs_direct)
+
+    assert op_mod._plain_eager(args)
+    grad_args = (args[0].clone().requires_grad_(),) + args[1:]
+    assert not op_mod._plain_eager(grad_args)
+    with torch.no_grad():
+        assert op_mod._plain_eager(grad_args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert not op_mod._plain_eager(args)
+    op_mod.call_kda_prefill(*grad_args, **kwargs)
+    assert calls == [1], "a call autograd should see did not go through the op"
+
+
 def test_op_fake_rejects_wrong_output_shape() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -896,3 +896,54 @@ def test_sm90_no_tokens_moves_pool_rows_only(seed) -> None:
     torch.cuda.synchronize()
     assert bool((pool[2] == 0).all()), "has_initial_state False: zeros, written back"
     assert torch.equal(pool[[0, 1, 3]], before[[0, 1, 3]])
+
+
+def _gpu_activity(fn) -> list[str]:
+    """Names of the GPU activities (kernels, memcpys, memsets) that ``fn`` launches, in order,
+    from the profiler (after one warm-up call, so one-time setup does not count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.gpu_sm90
+@pytest.mark.parametrize("T,HV_", [(4096, 64), (4096, 4)], ids=["fused", "cooperative"])
+def test_sm90_pooled_call_launches_the_plain_calls_kernels(T, HV_, seed) -> None:
+    """Serving contract item 1: a call on a state pool by index launches exactly what the same
+    call on a dense initial/final state does (no gather, no scatter, no conversion), in the
+    fused kernel and in the cooperative mode."""
+    x, opts = _sm90_inputs(T, H_=HV_, HV_=HV_)
+    cu = torch.tensor([0, 1000, 1001, T], dtype=torch.int32, device="cuda")
+    h0 = 0.1 * torch.randn(3, HV_, 128, 128, device="cuda")
+    pool = torch.zeros(8, HV_, 128, 128, device="cuda")
+    idx = torch.tensor([5, 0, 2], dtype=torch.int32, device="cuda")
+    plain = _gpu_activity(lambda: kda_prefill(**x, **opts, initial_state=h0, cu_seqlens=cu,
+                                              output_final_state=True, backend="sm90"))
+    pooled = _gpu_activity(lambda: kda_prefill(**x, **opts, initial_state=pool, state_indices=idx,
+                                               cu_seqlens=cu, output_final_state=True, backend="sm90"))
+    assert any("kda_prefill_sm90_kernel" in name for name in plain), plain
+    assert pooled == plain, f"pooled {pooled} vs plain {plain}"
+
+
+@pytest.mark.gpu_sm90
+def test_sm90_fused_projection_slices_launch_no_copy(seed) -> None:
+    """Serving contract item 5: q, k, v, g, beta as column slices of one projection output launch
+    exactly the kernels of dense inputs: nothing is copied."""
+    T, H_, HV_ = 2048, 2, 4
+    # beta's HV_ logits and 4 columns of padding keep the token stride a multiple of 16 bytes (TMA)
+    proj = torch.randn(1, T, 2 * H_ * 128 + 2 * HV_ * 128 + HV_ + 4, device="cuda").to(torch.bfloat16)
+    widths = [H_ * 128, H_ * 128, HV_ * 128, HV_ * 128, HV_, 4]
+    q, k, v, g, beta, _ = proj.split(widths, dim=2)
+    q, k, v, g = (t.unflatten(2, (-1, 128)) for t in (q, k, v, g))
+    _, opts = _sm90_inputs(1, logits=True)
+    cu = torch.tensor([0, 700, T], dtype=torch.int32, device="cuda")
+    dense = [t.contiguous() for t in (q, k, v, g, beta)]
+    sliced = _gpu_activity(lambda: kda_prefill(q, k, v, g, beta, **opts, cu_seqlens=cu, backend="sm90"))
+    plain = _gpu_activity(lambda: kda_prefill(*dense, **opts, cu_seqlens=cu, backend="sm90"))
+    assert sliced == plain, f"slices {sliced} vs dense {plain}"
+    assert not any("copy" in name.lower() or "elementwise" in name.lower() for name in sliced), sliced

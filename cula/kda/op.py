@@ -35,7 +35,7 @@ from torch import Tensor
 
 from cula import _ext
 
-__all__ = ["OP_NAME", "kda_prefill_op"]
+__all__ = ["OP_NAME", "kda_prefill_op", "call_kda_prefill"]
 
 #: Qualified name of the op (``torch.ops.cula.kda_prefill``).
 OP_NAME = "cula::kda_prefill"
@@ -299,3 +299,48 @@ def _kda_prefill_fake(
         torch._check(tuple(state_indices.shape) == (N,),
                      lambda: f"{OP_NAME}: state_indices must have shape ({N},)")
     return None
+
+
+def _plain_eager(tensors: tuple[Tensor | None, ...]) -> bool:
+    """True when nothing observes the call but the caller: no compiler tracing, no dispatch mode
+    (fake tensors, functionalisation, export), only plain tensors, and no input that autograd
+    would want to see. Then calling the implementation directly is what the op's dispatch would
+    end up doing, without its ~20 us of Python dispatch layers (autograd, ADInplaceOrView,
+    the backend wrapper) per call."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not Tensor or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def call_kda_prefill(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
+    cu_seqlens: Tensor | None, state_indices: Tensor | None, has_initial_state: Tensor | None,
+    o: Tensor, final_state: Tensor | None, state_pool: Tensor | None, *,
+    scale: float, lower_bound: float | None, use_gate_in_kernel: bool,
+    use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, state_layout: str,
+    backend: str,
+) -> None:
+    """``torch.ops.cula.kda_prefill`` with the same arguments, or, in plain eager mode
+    (:func:`_plain_eager`), its implementation called directly. Either way the same function runs
+    on the same tensors, and the mutated outputs get their version counters bumped as the op's
+    dispatch does; under ``torch.compile``, export, fake tensors or autograd the op is always the
+    path."""
+    args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_indices,
+            has_initial_state, o, final_state, state_pool)
+    if not _plain_eager(args):
+        torch.ops.cula.kda_prefill(
+            *args, scale=scale, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_layout=state_layout,
+            backend=backend)
+        return
+    _BACKENDS[backend](*args, scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
+                       use_beta_sigmoid_in_kernel, state_layout)
+    for t in (o, final_state, state_pool):
+        if t is not None and not t.is_inference():
+            torch.autograd.graph.increment_version(t)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from cula import _ext
-from cula.kda import op as _op  # noqa: F401  (registers torch.ops.cula.kda_prefill)
+from cula.kda import op as _op  # registers torch.ops.cula.kda_prefill; call_kda_prefill
 
 __all__ = ["kda_prefill", "last_backend", "LAST_BACKEND"]
 
@@ -778,7 +778,7 @@ def kda_prefill(
             state_shape = (plan.num_seqs, HV, K, V) if state_layout == "kv" else (plan.num_seqs, HV, V, K)
             final_state = torch.empty(state_shape, dtype=plan.state_dtype, device=q.device)
         result_state = final_state
-    torch.ops.cula.kda_prefill(
+    _op.call_kda_prefill(
         q, k, v, g, beta, A_log, dt_bias.reshape(-1) if dt_bias is not None else None,
         initial_state, cu_seqlens, state_indices, has_initial_state, o, final_state, state_pool,
         scale=plan.scale, lower_bound=plan.lower_bound, use_gate_in_kernel=use_gate_in_kernel,
