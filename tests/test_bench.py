@@ -205,6 +205,9 @@ def test_cula_cooperative_rule():
     assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="0") == "index"
     assert cula_schedule(Config("fixed", 1, 8192, 64, 64), 132, forced="", cooperative="1") == "cooperative"
     assert cula_schedule(Config("fixed", 2, 8192, 66, 66), 132, forced="", cooperative="1") == "index"
+    # the workspace (one 73.5 KiB stage per chunk and head) past 4 GiB: fused
+    assert cula_schedule(Config("small", 1, 2 ** 20, 8, 8), 132, forced="", cooperative="") == "index"
+    assert cula_schedule(Config("small", 1, 2 ** 18, 8, 8), 132, forced="", cooperative="") == "cooperative"
 
 
 def _fake_flash_kda_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,

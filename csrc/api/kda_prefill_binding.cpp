@@ -212,6 +212,7 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   if (const size_t bytes = cula::kda::kda_prefill_sm90_workspace_bytes(p); bytes > 0) {
     workspace = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));
     p.workspace = workspace.data_ptr();
+    p.workspace_bytes = bytes;
   }
 
   const cudaError_t err = cula::kda::kda_prefill_sm90(p, at::cuda::getCurrentCUDAStream(device.index()));

@@ -43,6 +43,7 @@ extern "C" int cula_kda_prefill_sm90(const void* q, const void* k, const void* v
   if (bytes > 0) {
     const cudaError_t err = cudaMallocAsync(&p.workspace, bytes, s);
     if (err != cudaSuccess) return int(err);
+    p.workspace_bytes = bytes;
   }
   const cudaError_t err = cula::kda::kda_prefill_sm90(p, s);
   if (p.workspace != nullptr) cudaFreeAsync(p.workspace, s);

@@ -19,6 +19,8 @@ LONGEST_FIRST_MAX_MEAN_TOKENS = 320
 SCHEDULE_ENV = "CULA_KDA_SCHEDULE"
 COOPERATIVE_ENV = "CULA_KDA_COOPERATIVE"
 CHUNK = 64
+WORKSPACE_STAGE_BYTES = 75264          # kWorkspaceStageBytes (shared_storage.cuh)
+MAX_COOPERATIVE_WORKSPACE_BYTES = 4 << 30  # kMaxCooperativeWorkspaceBytes (kda_prefill_dispatch.cu)
 
 
 def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
@@ -37,11 +39,12 @@ def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
     tiles = cfg.N * cfg.HV
     tokens = cfg.B * cfg.T
     coop = 5 * tiles <= 2 * sm_count and tokens >= 4 * CHUNK
+    workspace = (-(-tokens // CHUNK) + cfg.N) * cfg.HV * WORKSPACE_STAGE_BYTES
     if cooperative == "0":
         coop = False
     elif cooperative == "1":
         coop = True
-    if coop and tokens > 0 and tiles < sm_count:
+    if coop and tokens > 0 and tiles < sm_count and workspace <= MAX_COOPERATIVE_WORKSPACE_BYTES:
         return "cooperative"
     short = cfg.B * cfg.T < LONGEST_FIRST_MAX_MEAN_TOKENS * cfg.N
     longest_first = (forced != "index" and tiles > sm_count and cfg.N <= SORT_MAX_SEQS

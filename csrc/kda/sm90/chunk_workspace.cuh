@@ -13,10 +13,17 @@
 //     each into a finished stage exactly as in the fused kernel; the storer thread copies the
 //     stage (kWorkspaceStageBytes, in its shared-memory layout) to the chunk's workspace slot and
 //     then sets the chunk's flag.
-// No CTA ever waits on one that is not running: an owner waits only for claimed chunks, and a
-// chunk is claimed only by a helper that has a stage free for it. So the mode needs no guarantee
-// that all CTAs are resident at once. Both sides find a chunk's slot from the (clamped)
-// cu_seqlens on the device: no host synchronisation.
+// Progress: helpers never wait on another CTA, and a claimed chunk is always being worked on (a
+// helper claims only with a stage free for it), but an owner waits for each chunk until some
+// helper claims and publishes it, so at least one helper must be resident while owners spin.
+// That holds when the process has the GPU's SMs (one CTA per SM, owners <= 0.4 x SMs); under an
+// SM limit that leaves no room beside the owners (MPS thread percentage, green contexts) the
+// launch would not finish: CULA_KDA_COOPERATIVE=0 turns the mode off (a cooperative launch,
+// which guarantees co-residency or fails, is the planned fix). Both sides find a chunk's slot
+// from the (clamped) cu_seqlens on the device: no host synchronisation. With valid cu_seqlens
+// sequences never share a slot; with overlapping ranges (decreasing values) they may, which
+// stays memory-safe but makes those sequences' results undefined, as their overlapping output
+// rows already are in the fused kernel.
 #pragma once
 
 #include <cute/arch/copy_sm90_tma.hpp>

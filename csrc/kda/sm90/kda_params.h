@@ -3,6 +3,7 @@
 // Nothing in here depends on torch or on device code, so every front end fills the same struct.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace cula::kda {
@@ -52,6 +53,7 @@ struct KdaPrefillParams {
   // that many bytes, 16-byte aligned, owned by the caller; its contents need no initialisation
   // (the launch zeroes the part that needs it, on the stream).
   void* workspace = nullptr;
+  size_t workspace_bytes = 0;           // its size (checked against what the launch needs)
 
   // ---- sizes ---------------------------------------------------------------------------
   int batch = 0;         // B (1 with cu_seqlens)

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -70,6 +71,8 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
 // helpers number at least 1.5 per tile (tiles <= 0.4 x SMs) and there are at least four chunks of
 // tokens. CULA_KDA_COOPERATIVE=0 / =1 (read per call) forces either (1: with at least one helper).
 // Only shapes and the SM count go in, never a value of cu_seqlens.
+constexpr size_t kMaxCooperativeWorkspaceBytes = size_t(4) << 30;  // 4 GiB: e.g. T = 1.6M tokens at HV = 8
+
 struct Plan {
   bool cooperative = false;
   sm90::CooperativePlan coop;
@@ -88,6 +91,10 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   if (!coop || tokens == 0 || num_tiles >= sm_count) return plan;
   const int64_t slots = (tokens + sm90::kChunk - 1) / sm90::kChunk + p.num_seqs;
   if (slots > INT_MAX) return plan;
+  // The workspace grows with T (one finished stage per chunk and value head, ~74 KB); past
+  // kMaxCooperativeWorkspaceBytes the call runs fused instead (no workspace at all).
+  if (double(slots) * double(p.num_v_heads) * sm90::kWorkspaceStageBytes > double(kMaxCooperativeWorkspaceBytes))
+    return plan;
   plan.cooperative = true;
   plan.coop.slots_per_head = slots;
   plan.coop.owners = int(num_tiles);
@@ -164,7 +171,9 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
 
   const Plan plan = plan_call(p, sm_count);
   if (plan.cooperative) {
-    if (p.workspace == nullptr) return invalid("the cooperative mode needs a workspace (kda_prefill_sm90_workspace_bytes)");
+    if (p.workspace == nullptr || p.workspace_bytes < plan.sync_bytes + plan.stage_bytes)
+      return invalid("the cooperative mode needs a workspace of kda_prefill_sm90_workspace_bytes() bytes");
+    if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return invalid("the workspace must be 16-byte aligned");
     kp.coop = plan.coop;
     kp.coop.sync = static_cast<int*>(p.workspace);
     kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes;  // the stages
