@@ -34,10 +34,10 @@ static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "regis
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
   static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the cooperative mode uses index order for its owners");
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kCoop = kPass == KernelPass::kCooperative;
   // Cooperative mode: CTAs past the tiles are helpers (uniform per CTA).
   const bool helper = kCoop && int(blockIdx.x) >= kp.coop.owners;
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
   // __shared__ array itself: a round trip through an integer would hide from the compiler that the
