@@ -194,6 +194,20 @@ def test_eager_path_calls_the_implementation_directly(seed: int, monkeypatch) ->
     assert calls == [1], "a call autograd should see did not go through the op"
 
 
+def test_eager_path_under_inference_mode(seed: int) -> None:
+    """FLA's backends run under torch.inference_mode(): the direct eager path writes a caller's
+    (normal) out= buffer there too, and results equal the op's."""
+    x = inputs(K=8, V=8)
+    out = torch.empty(1, 6, 4, 8)
+    with torch.inference_mode():
+        o, s = kda_prefill(**x, out=out, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           safe_gate=True, backend="reference")
+    assert o is out and not s.requires_grad
+    args, kwargs = op_args(x, h0=False)
+    torch.ops.cula.kda_prefill(*args, **kwargs)
+    assert torch.equal(out, args[11]) and torch.equal(s, args[12])
+
+
 def test_op_fake_rejects_wrong_output_shape() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
