@@ -1,0 +1,46 @@
+"""The CPU emulation of the kernel's bf16 rounding points (scripts/error_budget.py): without
+rounding it is the exact chunked form; with every point it lands where the GPU kernel measures
+(3.5e-3 / 2.9e-3 relative L2 for o / state, docs/perf-notes.md), and the beta-v variant of U
+removes the largest share."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import torch
+import torch.nn.functional as F
+
+from cula.kda.reference import kda_gate, kda_recurrent_reference
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "error_budget.py"
+_spec = importlib.util.spec_from_file_location("error_budget", _PATH)
+error_budget = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(error_budget)
+
+
+def test_emulation_matches_the_recurrence_and_the_kernels_error(seed: int) -> None:
+    T, HV, D = 512, 2, 128
+    bf16 = torch.bfloat16
+    q, k, v, g = (torch.randn(1, T, HV, D).to(bf16) for _ in range(4))
+    A_log = torch.empty(HV).uniform_(1.0, 16.0).log()
+    dt_bias = 0.5 * torch.randn(HV * D)
+    beta = torch.sigmoid(torch.randn(1, T, HV).to(bf16).float())
+    ref_o, ref_s = kda_recurrent_reference(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                           A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+                                           dtype=torch.float64)
+    qn = F.normalize(q[0].float(), dim=-1, eps=1e-6)
+    kn = F.normalize(k[0].float(), dim=-1, eps=1e-6)
+    g_ln = kda_gate(g[0], A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, dtype=torch.float32)
+
+    def errors(on, beta_in_m=False):
+        o, s = error_budget.chunked(qn, kn, v[0].float(), g_ln, beta[0], D ** -0.5, frozenset(on), beta_in_m)
+        return error_budget.rel(o, ref_o[0]), error_budget.rel(s, ref_s[0])
+
+    exact = errors(())
+    assert exact[0] < 1e-5 and exact[1] < 1e-5, exact
+    full = errors(error_budget.POINTS)
+    assert 2.5e-3 < full[0] < 4.5e-3 and 2.0e-3 < full[1] < 4.0e-3, full
+    beta_u = errors(error_budget.POINTS, beta_in_m=True)
+    assert beta_u[0] < full[0] and beta_u[1] < full[1], (beta_u, full)
