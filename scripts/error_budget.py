@@ -14,7 +14,8 @@ fp64 recurrence (``cula.kda.reference.kda_recurrent_reference``):
 
 Rounding points (bf16 unless said):
 
-  qe, ke, kt   the prep's rescaled operands QE = q e, KE = k e, KT = k f
+  qe, ke       the prep's rescaled operands QE = q e, KE = k e
+  kt_a, kt_s   KT = k f as the B operand of the A products / of the state update
   bv           beta v, rounded in place in the v slot (the B operand of U)
   frag         the A products' rescaled register fragments (a second rounding of QE / KE)
   aqk          A_qk stored for the state warpgroups (its diagonal stays fp32)
@@ -22,14 +23,15 @@ Rounding points (bf16 unless said):
   qg, kg       QG = QE exp2(r_b), KG = beta KE exp2(r_b) (rounded again from QE / KE)
   w, u         W = M KG and U = M (beta v), stored as bf16
   s            the state S as the bf16 B operand of W S and QG S
-  vnew         v_new = U - W S as a bf16 operand (of A_qk v_new and of the state update)
+  vnew_o       v_new = U - W S as the bf16 operand of A_qk v_new (and of the fp32 diagonal term)
+  vnew_s       v_new as the bf16 operand of the state update
   o            the output
 
 Inputs: the benchmark's draws (q, k, v ~ N(0, 1) rounded to bf16, l2norm in the kernel, raw gate
 ~ N(0, 1) with lower_bound = -5, A_log = log U(1, 16), dt_bias ~ 0.5 N(0, 1), beta = sigmoid of
 bf16 logits ~ N(0, 1)), B = 1, several heads, no initial state. Usage:
 
-    python scripts/error_budget.py [--T 2048] [--heads 4] [--seed 0] [--without ke,bv u,vnew ...]
+    python scripts/error_budget.py [--T 2048] [--heads 4] [--seed 0] [--without bv,vnew_o ...]
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cula.kda.reference import kda_gate, kda_recurrent_reference  # noqa: E402
 
-POINTS = ("qe", "ke", "kt", "bv", "frag", "aqk", "m", "qg", "kg", "w", "u", "s", "vnew", "o")
+POINTS = ("qe", "ke", "kt_a", "kt_s", "bv", "frag", "aqk", "m", "qg", "kg", "w", "u", "s", "vnew_o", "vnew_s", "o")
 C, SB = 64, 16  # chunk, sub-block
 LN2 = math.log(2.0)
 
@@ -84,7 +86,8 @@ def chunked(q, k, v, g_ln, beta, scale: float, on: frozenset[str],
         r_rows = r.repeat_interleave(SB, dim=1)
         e, f = torch.exp2(G - r_rows), torch.exp2(r_rows - G)
         QE, KE = bf(qc * e, "qe", on), bf(kc * e, "ke", on)
-        KT = bf(kc * f, "kt", on)
+        KT = bf(kc * f, "kt_a", on)
+        KT_s = bf(kc * f, "kt_s", on)
         bv = bf(bc[..., None] * vc, "bv", on)                       # beta v, rounded in place (bf16)
         # A products: fragments of row block w, rescaled by exp2(r_w - r_bj) for bj < w
         A_qk = torch.zeros(HV, C, C, dtype=f32)
@@ -114,8 +117,10 @@ def chunked(q, k, v, g_ln, beta, scale: float, on: frozenset[str],
             U = bf(M @ bv, "u", on)
         W = bf(M @ KG, "w", on)
         Sb = bf(S, "s", on)
-        v_new = bf(U - W @ Sb, "vnew", on)
+        v_new_f = U - W @ Sb
+        v_new = bf(v_new_f, "vnew_o", on)
         O = QG @ Sb + A_qk @ v_new + diag[..., None] * v_new
+        v_new = bf(v_new_f, "vnew_s", on)
         o[c0:c0 + n] = bf(scale * O, "o", on)[:, :n].transpose(0, 1)
         # state update in Horner form over the four blocks (fp32 S, bf16 operands)
         X = S * torch.exp2(r[:, 0])[..., None]
@@ -123,7 +128,7 @@ def chunked(q, k, v, g_ln, beta, scale: float, on: frozenset[str],
             rows = slice(SB * b, SB * b + SB)
             if b > 0:
                 X = X * torch.exp2(r[:, b] - r[:, b - 1])[..., None]
-            X = X + KT[:, rows].transpose(1, 2) @ v_new[:, rows]
+            X = X + KT_s[:, rows].transpose(1, 2) @ v_new[:, rows]
         S = X
     return o, S
 
@@ -138,7 +143,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--without", nargs="*", default=[],
-                    help="extra runs without a group of points each, e.g. ke,bv u,vnew")
+                    help="extra runs without a group of points each, e.g. bv,vnew_o")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     T, HV, D = args.T, args.heads, 128
