@@ -59,7 +59,7 @@ def bf(x: torch.Tensor, name: str, on: frozenset[str]) -> torch.Tensor:
 
 
 def chunked(q, k, v, g_ln, beta, scale: float, on: frozenset[str],
-            beta_in_m: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            beta_in_m: bool = False, packed_rescale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, all heads: q, k [T, HV, K] (l2-normalised, fp32 values of the bf16 inputs),
     v [T, HV, V], g_ln natural-log decays [T, HV, K] (fp32), beta [T, HV]. Returns o [T, HV, V]
     and the final state [HV, K, V], rounded at the points in ``on``. ``beta_in_m``: the variant
@@ -97,6 +97,8 @@ def chunked(q, k, v, g_ln, beta, scale: float, on: frozenset[str],
             for bj in range(w + 1):
                 cols = slice(SB * bj, SB * bj + SB)
                 s_fac = torch.exp2(r[:, w] - r[:, bj])[:, None, :]  # [HV, 1, K]
+                if packed_rescale:
+                    s_fac = s_fac.to(torch.bfloat16).to(f32)
                 qa = bf(QE[:, rows] * s_fac, "frag", on) if bj < w else QE[:, rows]
                 ka = bf(KE[:, rows] * s_fac, "frag", on) if bj < w else KE[:, rows]
                 A_qk[:, rows, cols] = qa @ KT[:, cols].transpose(1, 2)
@@ -165,8 +167,8 @@ def main() -> int:
     kn = F.normalize(k[0].float(), dim=-1, eps=1e-6)
     g_ln = kda_gate(g[0], A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, dtype=torch.float32)
 
-    def run(on: frozenset[str], beta_in_m: bool = False) -> tuple[float, float]:
-        o, s = chunked(qn, kn, v[0].float(), g_ln, beta[0], scale, on, beta_in_m)
+    def run(on: frozenset[str], beta_in_m: bool = False, packed: bool = False) -> tuple[float, float]:
+        o, s = chunked(qn, kn, v[0].float(), g_ln, beta[0], scale, on, beta_in_m, packed)
         return rel(o, ref_o[0]), rel(s, ref_s[0])
 
     print(f"error_budget: T={T}, HV={HV}, D={D}, seed={args.seed}; relative L2 vs the fp64 recurrence (o / state)")
@@ -180,6 +182,8 @@ def main() -> int:
         print(f"  all but {p:8s} {wo[0]:.2e} / {wo[1]:.2e}      only {p:8s} {only[0]:.2e} / {only[1]:.2e}")
     alt = run(frozenset(POINTS), beta_in_m=True)
     print(f"  {'all, U = bf16((M-I) beta) v + beta v':34s} {alt[0]:.2e} / {alt[1]:.2e}")
+    pk = run(frozenset(POINTS), packed=True)
+    print(f"  {'all, A rescale as packed bf16x2':34s} {pk[0]:.2e} / {pk[1]:.2e}")
     for group in args.without:
         drop = frozenset(group.split(","))
         res = run(frozenset(POINTS) - drop)
