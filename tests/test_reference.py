@@ -27,6 +27,7 @@ from cula.kda.reference import (
     kda_chunked_reference,
     kda_gate,
     kda_recurrent_reference,
+    kda_segmented_reference,
     l2norm,
 )
 
@@ -544,3 +545,39 @@ def test_recurrent_gate_and_l2norm_in_kernel_match_fla(seed, gate):
         states.append(s_n)
     assert_rel(o, torch.cat(outs, dim=1), 1e-5)
     assert_rel(s, torch.cat(states, dim=0), 1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Segments of T (the affine form: S_out = P S_in + Q per segment, a fix-up, a second pass)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("cu", [None, [0, 70, 70, 71, 330, 400]], ids=["fixed", "varlen"])
+def test_segmented_form_matches_the_recurrence(layout: str, cu, seed: int) -> None:
+    """Slow decays (so that a segment's P, its map of the entering state, matters: the initial
+    state is still ~half present after 400 tokens), GVA, an initial state, segments of 64 and 128
+    tokens crossing varlen sequences of 0, 1, 70 and 259 tokens: equal to the fp64 recurrence at
+    fp32 precision."""
+    B, T, H, HV, K, V = (1, 400, 1, 2, 16, 8) if cu is not None else (2, 200, 1, 2, 16, 8)
+    N = B if cu is None else len(cu) - 1
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v = torch.randn(B, T, HV, V)
+    g = -0.003 * torch.rand(B, T, HV, K)
+    beta = 0.3 * torch.rand(B, T, HV)
+    shape = (N, HV, K, V) if layout == "kv" else (N, HV, V, K)
+    h0 = torch.randn(shape)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+              state_layout=layout, cu_seqlens=None if cu is None else torch.tensor(cu))
+    o_ref, s_ref = kda_recurrent_reference(q, k, v, g, beta, dtype=F64, **kw)
+    o0, s0 = kda_recurrent_reference(q, k, v, g, beta, dtype=F64, **{**kw, "initial_state": None})
+    assert rel_err(s_ref, s0) > 0.1, "the initial state must still matter for the test to mean anything"
+    for segment_len in (64, 128):
+        o, s = kda_segmented_reference(q, k, v, g, beta, segment_len=segment_len, **kw)
+        assert rel_err(o_ref, o) < 1e-5 and rel_err(s_ref, s) < 1e-5, segment_len
+
+
+def test_segmented_form_rejects_bad_segment_length() -> None:
+    x = [torch.randn(1, 8, 1, 16)] * 2 + [torch.randn(1, 8, 1, 16), -torch.rand(1, 8, 1, 16), torch.rand(1, 8, 1)]
+    with pytest.raises(ValueError, match="segment_len"):
+        kda_segmented_reference(*x, segment_len=100)

@@ -54,6 +54,7 @@ __all__ = [
     "l2norm",
     "kda_recurrent_reference",
     "kda_chunked_reference",
+    "kda_segmented_reference",
     "sequence_ranges",
 ]
 
@@ -654,5 +655,103 @@ def kda_chunked_reference(
     if output_final_state:
         final_state = torch.empty_like(S)
         final_state[order_t] = S
+        final_state = _finish_state(final_state, state_layout)
+    return o.reshape(B, T, HV, V), final_state
+
+
+# ------------------------------------------------------------------------------------------------
+# Segments of T: the affine form of the recurrence (the design for few, very long sequences)
+# ------------------------------------------------------------------------------------------------
+
+
+def kda_segmented_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    state_layout: StateLayout = "kv",
+    dtype: torch.dtype = torch.float32,
+    segment_len: int = 4096,
+) -> tuple[Tensor, Tensor | None]:
+    """KDA forward with every sequence cut into segments of ``segment_len`` tokens (a multiple of
+    the 64-token chunk) that are processed independently, then stitched: the form a kernel would
+    use to run one long sequence on many SMs at once (``docs/perf-notes.md``, few tiles).
+
+    Same arguments and results as :func:`kda_recurrent_reference`. The idea, per (sequence, value
+    head), with the state ``S`` as ``[K, V]``: a chunk maps its entering state to its leaving state
+    affinely, ``S' = (D - KT'^T W) S + KT'^T U`` (``D`` the chunk's decay, ``KT' = k exp2(G_last -
+    G)``, ``W``/``U`` the chunk's WY factors: ``docs/math.md``), so a segment of chunks does too::
+
+        S_out = P S_in + Q,   P = [K, K],   Q = [K, V]
+
+    1. every segment in parallel: ``Q`` = the segment's final state from ``S_in = 0`` (the true
+       ``v``), and ``P`` = its final state from ``S_in = I_K`` with ``v = 0`` (the same
+       recurrence with K value columns: twice the state work, no new kernel);
+    2. a short sequential fix-up over segments: ``S_in(s + 1) = P_s S_in(s) + Q_s`` (one K x K by
+       K x V product per segment), from the sequence's initial state;
+    3. every segment in parallel again from its true ``S_in``: the outputs (the last segment's
+       final state is the sequence's).
+
+    Each segment is evaluated here by :func:`kda_chunked_reference` (the kernel's chunked form).
+    Sequences shorter than one segment are one segment. The fix-up runs in ``dtype``.
+    """
+    if segment_len <= 0 or segment_len % 64 != 0:
+        raise ValueError(f"kda_segmented_reference: segment_len must be a positive multiple of 64, got {segment_len}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = q.device
+    ranges = ([(b * T, (b + 1) * T) for b in range(B)] if cu_seqlens is None
+              else sequence_ranges(cu_seqlens, T))
+    N = len(ranges)
+    flat = {name: x.reshape(B * T, *x.shape[2:]).unsqueeze(0) for name, x in
+            dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+    common = dict(use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                  A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, state_layout="kv", dtype=dtype)
+    scale = _resolve_scale(scale, K)
+
+    def to_kv(s: Tensor) -> Tensor:  # [.., HV, K, V] from the caller's layout
+        return s if state_layout == "kv" else s.transpose(-1, -2)
+
+    o = torch.zeros(B * T, HV, V, dtype=dtype, device=dev)
+    finals = []
+    eye = torch.eye(K, dtype=dtype, device=dev).expand(1, HV, K, K).contiguous()
+    for n, (begin, end) in enumerate(ranges):
+        S = (to_kv(initial_state[n]).to(dtype) if initial_state is not None
+             else torch.zeros(HV, K, V, dtype=dtype, device=dev))
+        bounds = list(range(begin, end, segment_len)) + [end]
+        segs = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        # 1. per segment: Q (from zero, true v) and P (from the identity, v = 0)
+        PQ = []
+        for a, b in segs:
+            x = {name: t[:, a:b] for name, t in flat.items()}
+            _, Q = kda_chunked_reference(**x, scale=scale, output_final_state=True, **common)
+            _, P = kda_chunked_reference(x["q"], x["k"], torch.zeros_like(x["v"][..., :1]).expand(
+                *x["v"].shape[:-1], K), x["g"], x["beta"], scale=scale, initial_state=eye,
+                output_final_state=True, **common)
+            PQ.append((P[0], Q[0]))
+        # 2. fix-up over segments (P acts on the K rows of S)
+        starts = []
+        for P, Q in PQ:
+            starts.append(S)
+            S = P @ S + Q                                              # [HV, K, K] @ [HV, K, V]
+        # 3. per segment again, from its true initial state: the outputs
+        for (a, b), S0 in zip(segs, starts):
+            x = {name: t[:, a:b] for name, t in flat.items()}
+            o_seg, _ = kda_chunked_reference(**x, scale=scale, initial_state=S0.unsqueeze(0), **common)
+            o[a:b] = o_seg[0]
+        finals.append(S)
+    final_state = None
+    if output_final_state:
+        final_state = torch.stack(finals) if finals else torch.zeros(0, HV, K, V, dtype=dtype, device=dev)
         final_state = _finish_state(final_state, state_layout)
     return o.reshape(B, T, HV, V), final_state
