@@ -370,6 +370,30 @@ def gpu_path(device: Device, args: argparse.Namespace) -> int:
             f"{total / GIB:.0f} GiB")
         log(f"options: {opt.describe()}")
 
+        meta.update(
+            copy_bandwidth_GBps=m.copy_bw / 1e9, copy_buffer_bytes=nbytes, gemm_TFLOPs=m.gemm_rate / 1e12,
+            sm_count=m.sm_count, gpu_memory_GiB=round(total / GIB, 1), options=opt.describe(),
+            tolerance=p.tol, suite=args.suite if args.suite != "default" else args.mode,
+            method=("CUDA-event median of single calls, each started from an idle GPU (eager: host "
+                    "overhead counts; graph: one captured call replayed), after "
+                    f"{p.timing.warmup} warm-up calls; >= {p.timing.min_reps} reps or "
+                    f"{p.timing.min_time_s:g} s; small problems rotate over several input sets "
+                    "(column 'sets' in the JSON) to defeat the L2 cache. cula vs X = X ms / cula ms. "
+                    "Errors: relative L2 vs the fp32 recurrence; o from the timed call (restricted to "
+                    "the checked tokens, exact by causality), final state from the full call or, for "
+                    "a slice, a call on the slice (FlashKDA's [V,K] state transposed first). HBM floor "
+                    "= minimal bytes / measured copy bandwidth; TC floor = chunked-algorithm matmul "
+                    "flops / measured bf16 GEMM rate; SM·µs/chunk·head = eager ms x SMs / (64-token "
+                    "chunks x HV)."),
+            varlen_note=("varlen rows: one cu_seqlens tensor (int64) reused for every call; FLA caches "
+                         "its chunk indices per cu_seqlens object (fla tensor_cache), so its per-call "
+                         "index preparation is not in the eager time"),
+        )
+        # The JSON and Markdown are rewritten after every configuration (the plot only at the
+        # end), so a run cut short by a time limit keeps what it measured.
+        paths = resolve_paths(args.json, args.md, args.plot, args.save, args.results_dir, meta)
+        partial_paths = (paths[0], paths[1], None)
+
         cfgs = selected_configs(args)
         names = [(b.name, b.label) for b in kernels]
         t_start = time.perf_counter()
@@ -394,28 +418,11 @@ def gpu_path(device: Device, args: argparse.Namespace) -> int:
             log(progress_line(i, len(cfgs), row, names))
             if row["status"] == "FAIL":
                 rc = 1
+            if i < len(cfgs):
+                write_reports(partial_paths, meta, rows, statements + [
+                    f"partial report: {i} of {len(cfgs)} configurations so far"])
 
-    meta.update(
-        copy_bandwidth_GBps=m.copy_bw / 1e9, copy_buffer_bytes=nbytes, gemm_TFLOPs=m.gemm_rate / 1e12,
-        sm_count=m.sm_count, gpu_memory_GiB=round(total / GIB, 1), options=opt.describe(),
-        tolerance=p.tol, suite=args.suite if args.suite != "default" else args.mode,
-        method=("CUDA-event median of single calls, each started from an idle GPU (eager: host "
-                "overhead counts; graph: one captured call replayed), after "
-                f"{p.timing.warmup} warm-up calls; >= {p.timing.min_reps} reps or "
-                f"{p.timing.min_time_s:g} s; small problems rotate over several input sets "
-                "(column 'sets' in the JSON) to defeat the L2 cache. cula vs X = X ms / cula ms. "
-                "Errors: relative L2 vs the fp32 recurrence; o from the timed call (restricted to "
-                "the checked tokens, exact by causality), final state from the full call or, for "
-                "a slice, a call on the slice (FlashKDA's [V,K] state transposed first). HBM floor "
-                "= minimal bytes / measured copy bandwidth; TC floor = chunked-algorithm matmul "
-                "flops / measured bf16 GEMM rate; SM·µs/chunk·head = eager ms x SMs / (64-token "
-                "chunks x HV)."),
-        varlen_note=("varlen rows: one cu_seqlens tensor (int64) reused for every call; FLA caches "
-                     "its chunk indices per cu_seqlens object (fla tensor_cache), so its per-call "
-                     "index preparation is not in the eager time"),
-    )
-    write_reports(resolve_paths(args.json, args.md, args.plot, args.save, args.results_dir, meta),
-                  meta, rows, statements)
+    write_reports(paths, meta, rows, statements)
     n_fail = sum(1 for r in rows if r.get("status") == "FAIL")
     n_skip = sum(1 for r in rows if r.get("status") == "skipped")
     log(f"{len(rows)} configurations: {n_fail} failed, {n_skip} skipped. "
