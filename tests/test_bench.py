@@ -435,3 +435,55 @@ def test_entry_point_cpu_path(tmp_path):
     assert len(d["rows"]) == 2 and all(row["status"] == "ok" for row in d["rows"])
     assert all(math.isfinite(row["cula_o_err"]) and row["cula_o_err"] < 5e-3 for row in d["rows"])
     assert "reference backend" in out_md.read_text()
+
+
+def test_gpu_path_writes_partial_reports(tmp_path, monkeypatch) -> None:
+    """The GPU path rewrites its JSON/Markdown after every configuration: a run stopped after two
+    rows (a device time limit) leaves those two rows, marked partial; a full run leaves all rows
+    and no partial mark. The device, rates and kernels are faked (no GPU needed)."""
+    import json
+    import types
+
+    args = parse_args(["--suite", "targets", "--no-fla", "--no-graph",
+                       "--json", str(tmp_path / "b.json"), "--md", str(tmp_path / "b.md")])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (80 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(runner, "measure_copy_bandwidth", lambda dev, n: 3e12)
+    monkeypatch.setattr(runner, "measure_gemm_rate", lambda dev: 7.5e14)
+
+    class Fake:
+        name = label = "cula"
+
+        def meta(self):
+            return {"name": "cula", "label": "cula", "version": "0"}
+
+    monkeypatch.setattr(runner, "all_baselines", lambda opt, skip=(): [Fake()])
+    monkeypatch.setattr(runner, "preflight", lambda kernels, dev, opt, dim: (kernels, {}, [], True))
+    monkeypatch.setattr(runner, "load_reference", lambda: (None, "not in this test"))
+    calls: list[str] = []
+
+    class Stop(BaseException):  # like the kill of a time limit: not caught as a failed row
+        pass
+
+    def run_config(cfg, *rest):
+        calls.append(cfg.name)
+        if len(calls) == 3:
+            raise Stop
+        return {"config": cfg.name, "mode": cfg.mode, "status": "ok", "notes": []}
+
+    monkeypatch.setattr(runner, "run_config", run_config)
+    device = types.SimpleNamespace(device="cpu", name="fake")
+    with pytest.raises(Stop):
+        runner.gpu_path(device, args)
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert [r["config"] for r in saved["rows"]] == calls[:2]
+    assert saved["statements"][-1].startswith("partial report: 2 of 9")
+    assert "partial report" in (tmp_path / "b.md").read_text()
+
+    monkeypatch.setattr(runner, "run_config",
+                        lambda cfg, *rest: {"config": cfg.name, "mode": cfg.mode, "status": "ok", "notes": []})
+    assert runner.gpu_path(device, args) == 0
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert len(saved["rows"]) == 9 and not any("partial" in s for s in saved["statements"])
