@@ -5,7 +5,8 @@
 //
 //   1. per row: l2 norms of q and k (optional), q.k in fp32, v <- beta v -> rnorm, A_qk[i,i]
 //   2. gate activation and per-feature cumsum G_i over the chunk, one feature per thread;
-//      rows past the sequence end get a zero decay, so G stops there     -> r_b = G at block ends
+//      rows past the sequence end hold q = k = 0 and a no-decay gate (written over the loaded
+//      values first, last chunk only), so G stops there                   -> r_b = G at block ends
 //   3. per element e = exp2(G_i - r_b) (>= 1) and f = exp2(r_b - G_i) (<= 1), b = block of i:
 //      QE = q e, KE = k e, KT = k f (rows past the end are zero)         (in place over q, k, g)
 //   4. A_qk and A_kk by WGMMA, one 16-column block bj at a time: A = QE (or KE) from registers,
@@ -62,6 +63,21 @@ template <bool kGateInKernel, bool kL2Norm>
 __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, StageStorage& st, float* rnorm,
                                                        float* row_stats,
                                                        int rows, float gate_scale, float2 gate_bias, int tid) {
+  // Rows past the sequence end (the last chunk of a sequence only; `rows` is the same for the whole
+  // warpgroup): q = k = 0 and a raw gate that means "no decay" (-inf before the sigmoid of the
+  // lower-bound form, 0 for given log decays), written over what TMA loaded there. Then every pass
+  // below treats all 64 rows alike, without a per-row validity select.
+  if (rows < kChunk) {
+    const uint32_t g_fill = kGateInKernel ? 0xff80ff80u : 0u;  // bf16x2 (-inf, -inf) or (0, 0)
+    for (int x = tid; x < (kChunk - rows) * 16; x += 128) {
+      const int row = rows + (x >> 4), chunk = x & 15;  // 16-byte chunk: box chunk / 8
+      const uint32_t off = uint32_t((chunk >> 3) * kBoxBytes) + sw128_chunk_offset(row, chunk & 7);
+      *reinterpret_cast<uint4*>(st.q + off) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(st.k + off) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(st.g + off) = make_uint4(g_fill, g_fill, g_fill, g_fill);
+    }
+    named_barrier_sync(NamedBarrierId::kIntra, 128);
+  }
   // Row statistics: thread (half, r) reads features [64 half, 64 half + 64) of row r of q and of k
   // and sums q.q, k.k and q.k over them; the halves are added through shared memory. The same
   // pass scales row r of v by beta_r.
@@ -127,6 +143,9 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
 
   const int h = tid >> 6, cp = tid & 63, col = 2 * cp;
   const PairColumn addr(cp);
+  const float slope = -gate_scale * kLog2e;  // the gate's folded constants (see below)
+  const float icpt0 = slope * gate_bias.x, icpt1 = slope * gate_bias.y;
+  const float lb_log2 = p.lower_bound * kLog2e;
   float cum0 = 0.f, cum1 = 0.f;
   float rb_local[2][2];
 #pragma unroll
@@ -146,17 +165,18 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     for (int ii = 0; ii < kSubBlock; ++ii) {
       const float2 x = bf16x2_to_float2(gx[ii]);
       float g0, g1;
-      if constexpr (kGateInKernel) {  // lower_bound * sigmoid(scale * (g + dt_bias))
-        const float y0 = (x.x + gate_bias.x) * gate_scale, y1 = (x.y + gate_bias.y) * gate_scale;
-        g0 = __fdividef(p.lower_bound * kLog2e, 1.f + fast_exp2(-y0 * kLog2e));
-        g1 = __fdividef(p.lower_bound * kLog2e, 1.f + fast_exp2(-y1 * kLog2e));
+      if constexpr (kGateInKernel) {
+        // lower_bound * sigmoid(scale * (g + dt_bias)) in log2 units, with the constants folded:
+        // exp2(-scale (g + b) log2 e) = exp2(fma(g, slope, icpt)). A raw -inf (a row past the
+        // end) gives exp2(+inf) = inf and a decay of 0.
+        g0 = __fdividef(lb_log2, 1.f + fast_exp2(fmaf(x.x, slope, icpt0)));
+        g1 = __fdividef(lb_log2, 1.f + fast_exp2(fmaf(x.y, slope, icpt1)));
       } else {
         g0 = x.x * kLog2e;
         g1 = x.y * kLog2e;
       }
-      const bool valid = row0 + ii < rows;
-      cum0 += valid ? g0 : 0.f;
-      cum1 += valid ? g1 : 0.f;
+      cum0 += g0;
+      cum1 += g1;
       G0[ii] = cum0;
       G1[ii] = cum1;
     }
@@ -182,7 +202,6 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
         qv = make_float2(qv.x * rq, qv.y * rq);
         kv = make_float2(kv.x * rk, kv.y * rk);
       }
-      if (i >= rows) qv = kv = make_float2(0.f, 0.f);
       const uint32_t off = addr(i);
       st_bf16x2(st.q, off, qv.x * e0, qv.y * e1);
       st_bf16x2(st.k, off, kv.x * e0, kv.y * e1);
