@@ -252,10 +252,13 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
     const float rw0 = st.r_block[warp][c0], rw1 = st.r_block[warp][c0 + 1];
     const float rw8 = st.r_block[warp][c0 + 8], rw9 = st.r_block[warp][c0 + 9];
 
+    // A operands per column block bj: rescaled by exp2(r_w - r_bj) <= 1 for bj < warp, as loaded
+    // for bj == warp, zero for bj > warp. The rescale is one packed bf16x2 multiply per register
+    // (the scale pair rounded to bf16 first: one extra rounding of 2^-9 relative on these
+    // entries), instead of unpacking to fp32, two FMUL and a repack.
     uint32_t qa[kNumSubBlocks][4], ka[kNumSubBlocks][4];
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
-      // Column block bj < warp: rescale by exp2(r_w - r_bj); bj == warp: as is; bj > warp: zero.
       float s0 = 0.f, s1 = 0.f, s8 = 0.f, s9 = 0.f;
       if (bj < warp) {
         s0 = fast_exp2(rw0 - st.r_block[bj][c0]);
@@ -265,13 +268,12 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
       } else if (bj == warp) {
         s0 = s1 = s8 = s9 = 1.f;
       }
+      const uint32_t scale_lo = float2_to_bf16x2(s0, s1), scale_hi = float2_to_bf16x2(s8, s9);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const float sa = r < 2 ? s0 : s8, sb = r < 2 ? s1 : s9;
-        const float2 qv = bf16x2_to_float2(qf[r]);
-        const float2 kv = bf16x2_to_float2(kf[r]);
-        qa[bj][r] = float2_to_bf16x2(qv.x * sa, qv.y * sb);
-        ka[bj][r] = float2_to_bf16x2(kv.x * sa, kv.y * sb);
+        const uint32_t sc = r < 2 ? scale_lo : scale_hi;
+        qa[bj][r] = bf16x2_mul(qf[r], sc);
+        ka[bj][r] = bf16x2_mul(kf[r], sc);
       }
     }
 

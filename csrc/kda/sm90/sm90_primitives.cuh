@@ -153,6 +153,13 @@ __device__ __forceinline__ uint32_t float2_to_bf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// Packed bf16x2 product, rounded to nearest (one HMUL2.BF16 instruction).
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a), y = *reinterpret_cast<__nv_bfloat162*>(&b);
+  __nv_bfloat162 z = __hmul2(x, y);
+  return *reinterpret_cast<uint32_t*>(&z);
+}
+
 // fp32 -> tf32 (round to nearest, ties away), as the 32-bit pattern a tf32 WGMMA operand takes.
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t y;
