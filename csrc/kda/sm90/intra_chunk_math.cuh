@@ -3,7 +3,7 @@
 // For chunk c it runs while the state warpgroups work on chunk c-1 (the stages of the ring are
 // the hand-off). Per chunk (64 rows i, 128 features, one value head), in log2 units:
 //
-//   1. per row: l2 norms of q and k (optional), q.k in fp32, v <- beta v -> rnorm, A_qk[i,i]
+//   1. per row: l2 norms of q and k (optional), q.k in fp32 -> rnorm, A_qk[i,i]
 //   2. gate activation and per-feature cumsum G_i over the chunk, one feature per thread;
 //      rows past the sequence end hold q = k = 0 and a no-decay gate (written over the loaded
 //      values first, last chunk only), so G stops there                   -> r_b = G at block ends
@@ -18,7 +18,8 @@
 //   6. QG = QE exp2(r_b) = q exp2(G), KG = beta KE exp2(r_b) = beta k exp2(G)   (in place)
 //   7. M = (I + A_kk)^-1: 16x16 diagonal blocks by forward substitution, the rest as three rounds
 //      of tf32 WGMMA products (unit_lower_inverse.cuh); M ends up in accumulator registers
-//   8. W = M KG -> k slot,  U = M (beta v) -> v slot  (WGMMA, M from registers)
+//   8. W = M KG -> k slot,  U = ((M - I) diag(beta)) v + beta v -> v slot  (WGMMA, A operands
+//      from the inverse's registers; the diagonal term in fp32: beta v is never rounded to bf16)
 //   9. arrive on the stage's `ready` barrier.
 #pragma once
 
@@ -79,34 +80,21 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     named_barrier_sync(NamedBarrierId::kIntra, 128);
   }
   // Row statistics: thread (half, r) reads features [64 half, 64 half + 64) of row r of q and of k
-  // and sums q.q, k.k and q.k over them; the halves are added through shared memory. The same
-  // pass scales row r of v by beta_r.
+  // and sums q.q, k.k and q.k over them; the halves are added through shared memory. (v stays as
+  // loaded: beta enters U in step 8.)
   {
     const int r = tid & 63, half = tid >> 6;
     const uint8_t* q_row = st.q + half * kBoxBytes;
     const uint8_t* k_row = st.k + half * kBoxBytes;
-    uint8_t* v_row = st.v + half * kBoxBytes;
-    const float beta = st.beta[r];
-    // Every load of the row first: the stores of beta*v below could alias later loads as far as
-    // the compiler knows, so loads interleaved with them would each wait for the previous store.
-    uint4 qraw[8], kraw[8], vraw[8];
+    uint4 qraw[8], kraw[8];
 #pragma unroll
     for (int x = 0; x < 8; ++x) {
       qraw[x] = *reinterpret_cast<const uint4*>(q_row + sw128_chunk_offset(r, x));
       kraw[x] = *reinterpret_cast<const uint4*>(k_row + sw128_chunk_offset(r, x));
-      vraw[x] = *reinterpret_cast<const uint4*>(v_row + sw128_chunk_offset(r, x));
     }
     float qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll
     for (int x = 0; x < 8; ++x) {
-      // v <- beta v (the right-hand operand of U = M (beta v)), 16 bytes at a time.
-      uint32_t* vw = reinterpret_cast<uint32_t*>(&vraw[x]);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float2 f = bf16x2_to_float2(vw[u]);
-        vw[u] = float2_to_bf16x2(f.x * beta, f.y * beta);
-      }
-      *reinterpret_cast<uint4*>(v_row + sw128_chunk_offset(r, x)) = vraw[x];
       const uint32_t qw[4] = {qraw[x].x, qraw[x].y, qraw[x].z, qraw[x].w};
       const uint32_t kw[4] = {kraw[x].x, kraw[x].y, kraw[x].z, kraw[x].w};
 #pragma unroll
@@ -370,10 +358,10 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
     timer.mark(3);
 
     named_barrier_sync(NamedBarrierId::kIntra, 128);  // every warp done reading QE/KE (step 4)
-    // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b) (v was scaled in step 1); thread
-    // owns 2 features x 32 rows. beta goes into the right-hand operands of W and U row by row (rounded
-    // per element) rather than into the columns of M (where one bf16 rounding of beta_j would
-    // scale everything row j contributes).
+    // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b); thread owns 2 features x 32 rows.
+    // For W, beta goes into the right-hand operand KG row by row (rounded per element) rather than
+    // into the columns of M, whose unit diagonal would then carry one bf16 rounding of beta_j into
+    // everything row j contributes; U takes it differently (step 8).
     {
       const int h = tid >> 6, cp = tid & 63;
       const PairColumn addr(cp);
@@ -410,17 +398,29 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
     invert_unit_lower(a_off, diag, smem.inverse_operand, tid, m, timer);
     timer.mark(5);
 
-    // Step 8: W = M KG -> k slot, U = M (beta v) -> v slot; M is the A operand straight from the
-    // inverse's accumulator (the bf16 m64k16 fragment of k-step ks is accumulator columns
-    // 16 ks .. 16 ks + 15 of the thread's two rows).
-    uint32_t m_frag[kChunk / 16][4];
+    // Step 8: W = M KG -> k slot, U = ((M - I) diag(beta)) v + beta v -> v slot. The A operands
+    // come straight from the inverse's accumulator (the bf16 m64k16 fragment of k-step ks is
+    // accumulator columns 16 ks .. 16 ks + 15 of the thread's two rows). For U the unit diagonal
+    // is left out of the bf16 operand and its term beta_i v_i added in fp32 below: rounding
+    // beta v (or beta_j on the diagonal) to bf16 was the largest single share of the kernel's
+    // error (scripts/error_budget.py: o 3.5e-3 -> 3.1e-3, state 2.9e-3 -> 2.4e-3 without it).
+    // Thread element r of k-step ks: row 16 warp + g4 + 8 ((r >> 0) & 1), column
+    // 16 ks + 8 (r >> 1) + 2 t4 (+1).
+    uint32_t mw_frag[kChunk / 16][4], mu_frag[kChunk / 16][4];
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) m_frag[ks][r] = float2_to_bf16x2(m[8 * ks + 2 * r], m[8 * ks + 2 * r + 1]);
-#pragma unroll 1
-    for (int which = 0; which < 2; ++which) {
-      uint8_t* slot = which == 0 ? st.k : st.v;
+      for (int r = 0; r < 4; ++r) {
+        const float m0 = m[8 * ks + 2 * r], m1 = m[8 * ks + 2 * r + 1];
+        const int i = kSubBlock * warp + g4 + 8 * (r & 1);
+        const int j = 16 * ks + 8 * (r >> 1) + 2 * t4;
+        const float2 bj = *reinterpret_cast<const float2*>(&st.beta[j]);
+        mw_frag[ks][r] = float2_to_bf16x2(m0, m1);
+        mu_frag[ks][r] = float2_to_bf16x2(i == j ? 0.f : m0 * bj.x, i == j + 1 ? 0.f : m1 * bj.y);
+      }
+    // One product into a 64 x 128 slot (k: W, v: U), stored as bf16 in place; with_beta_v adds
+    // beta_i v_i in fp32 from the slot's bf16 v at the thread's own elements before the store.
+    const auto product = [&](const uint32_t (&a)[kChunk / 16][4], uint8_t* slot, bool with_beta_v) {
       const uint32_t b_base = smem_u32(slot);
       float acc[64];
 #pragma unroll
@@ -429,13 +429,29 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_rs<128, Major::MN>(m_frag[ks], desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
+        wgmma_rs<128, Major::MN>(a[ks], desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
       wgmma_commit();
       wgmma_wait<0>();
       fence_accumulators(acc);
       named_barrier_sync(NamedBarrierId::kIntra, 128);  // whole warpgroup done reading the slot
+      if (with_beta_v) {
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = kSubBlock * warp + g4 + 8 * h2;
+          const float bi = st.beta[i];
+#pragma unroll
+          for (int n8 = 0; n8 < 16; ++n8) {
+            const float2 vi = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(
+                slot + (n8 >> 3) * kBoxBytes + sw128_fragment_offset(i, n8 & 7, g4, t4)));
+            acc[n8 * 4 + h2 * 2] = fmaf(bi, vi.x, acc[n8 * 4 + h2 * 2]);
+            acc[n8 * 4 + h2 * 2 + 1] = fmaf(bi, vi.y, acc[n8 * 4 + h2 * 2 + 1]);
+          }
+        }
+      }
       store_accumulator_bf16<128>(slot, acc, warp, lane, 0);
-    }
+    };
+    product(mw_frag, st.k, false);
+    product(mu_frag, st.v, true);
 }
 
 // Gate parameters of value head hv (gate in kernel): scale exp(A_log[hv]), bias dt_bias[hv] of the

@@ -8,7 +8,7 @@
 //   q      q (bf16)           QE = q*e      -> QG = q*exp2(G)        A_qk (intra) -> q~·S (state)
 //   k      k (bf16)           KE = k*e      -> KG -> W = M·KG        A_kk (intra) -> w·S (state)
 //   g      g (bf16)           KT = k*f                               A_qk/A_kk (intra), S update (state)
-//   v      v (bf16)           beta*v        -> U = M·(beta*v)        u (intra) -> v_new (state)
+//   v      v (bf16)           v             -> U = ((M-I)·β)·v + β·v  u (intra) -> v_new (state)
 //   aqk    -                  A_qk (bf16, masked)                    o (state)
 //   R      -                  r_b = G at the end of each 16-row block (fp32 [4][128])
 //   beta   beta (fp32, 0 past the sequence end), written by the producer warp
