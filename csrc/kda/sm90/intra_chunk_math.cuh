@@ -40,12 +40,21 @@ constexpr float kL2NormEps = 1e-6f;
 constexpr float kGateFloorLog2 = -200.f;
 constexpr float kWideSpanLog2 = 100.f;
 
-// Exact diagonal-block terms of wide features (general gates), accumulated with shared-memory
-// atomics over the features: float [4 blocks][2 (A_qk, A_kk)][16][16] in the stage's A_qk tile,
-// whose 16-row band of block w is only written later by warp w (step 5), which reads its
-// corrections first.
-__device__ __forceinline__ float* wide_corrections(StageStorage& st, int block, int which) {
-  return reinterpret_cast<float*>(st.aqk) + block * 512 + which * 256;
+// Exact diagonal-block terms of wide features (general gates): each of the two warps that hold a
+// block's rows sums its 32 lanes' features with a fixed shuffle tree and stores its partial sums
+// (no atomics: the result does not depend on timing); step 5 adds the two partials in a fixed
+// order. float [4 blocks][2 warps][2 (A_qk, A_kk)][16][16] = 16 KB in the inverse's operand
+// buffer, which is free from the prep until step 7 (its last reader, the previous chunk's
+// inverse, waited for its WGMMAs).
+__device__ __forceinline__ float* wide_corrections(SharedStorage& smem, int block, int warp_of_half, int which) {
+  return reinterpret_cast<float*>(smem.inverse_operand) + ((block * 2 + warp_of_half) * 2 + which) * 256;
+}
+static_assert(4 * 2 * 2 * 256 * 4 == kTileBytes, "the corrections fill the inverse's operand buffer");
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
+  return x;
 }
 
 // Addressing of the feature pair (2 cp, 2 cp + 1) of a 64x128 bf16 tile, for the passes that give
@@ -80,12 +89,13 @@ __device__ __forceinline__ void st_bf16x2(uint8_t* base, uint32_t off, float lo,
 // factors <= 1), get their diagonal-block terms exactly (wide_corrections), and record their
 // reference in a_ref (r_{b-1} instead of r_b) for the A products and step 6.
 template <bool kGateInKernel, bool kL2Norm, bool kGeneral = false>
-__device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, StageStorage& st, float* rnorm,
-                                                       float* row_stats, float (*a_ref)[kHeadDim],
-                                                       int rows, float gate_scale, float2 gate_bias, int tid) {
-  if constexpr (kGeneral) {  // zero the correction tiles (8 KB) before anything adds to them
-    float4* z = reinterpret_cast<float4*>(st.aqk);
-    for (int x = tid; x < kChunk * kChunk * 2 / 16; x += 128) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
+__device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, SharedStorage& smem,
+                                                       StageStorage& st, float* rnorm, float* row_stats,
+                                                       float (*a_ref)[kHeadDim], int rows, float gate_scale,
+                                                       float2 gate_bias, int tid) {
+  if constexpr (kGeneral) {  // zero the corrections (16 KB): pairs not computed below stay 0
+    float4* z = reinterpret_cast<float4*>(smem.inverse_operand);
+    for (int x = tid; x < kTileBytes / 16; x += 128) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   // Row statistics: thread (half, r) reads features [64 half, 64 half + 64) of row r of q and of k
   // and sums q.q, k.k and q.k over them; the halves are added through shared memory. The same
@@ -189,9 +199,9 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
         g0 = x.x * kLog2e;
         g1 = x.y * kLog2e;
       }
-      if constexpr (kGeneral) {  // -inf (and anything below) -> the floor
-        g0 = fmaxf(g0, kGateFloorLog2);
-        g1 = fmaxf(g1, kGateFloorLog2);
+      if constexpr (kGeneral) {  // -inf (and anything below) -> the floor; NaN stays NaN
+        g0 = g0 < kGateFloorLog2 ? kGateFloorLog2 : g0;
+        g1 = g1 < kGateFloorLog2 ? kGateFloorLog2 : g1;
       }
       const bool valid = row0 + ii < rows;
       cum0 += valid ? g0 : 0.f;
@@ -239,37 +249,41 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     }
     if constexpr (kGeneral) {
       // Exact diagonal-block terms of the wide features: q_i k_j exp2(G_i - G_j) and
-      // k_i k_j exp2(G_i - G_j) for j < i (each factor <= 1), summed over features by atomics.
-      // Only where decays are extreme; the row values are rebuilt from the loaded bf16 pairs as the
-      // store loop above built them, with compile-time row indices throughout, so that G0/G1 and
-      // the pairs stay in registers.
-      const auto exact = [&](const float (&G)[kSubBlock], bool hi) {
-        float* cqk = wide_corrections(st, 2 * h + bb, 0);
-        float* ckk = wide_corrections(st, 2 * h + bb, 1);
+      // k_i k_j exp2(G_i - G_j) for j < i (each factor <= 1), summed over the warp's features
+      // (each lane its two, masked to the wide ones) by a shuffle tree; the warp's lane 0 stores
+      // the partial sums. Runs only where some lane of the warp has a wide pair in this block
+      // (extreme decays); compile-time row indices keep G0/G1 and the pairs in registers.
+      const bool w0 = wide[bb][0], w1 = wide[bb][1];
+      if (__any_sync(0xffffffffu, w0 || w1)) {
+        const int lane = tid & 31, warp_of_half = (tid >> 5) & 1;
+        float* cqk = wide_corrections(smem, 2 * h + bb, warp_of_half, 0);
+        float* ckk = wide_corrections(smem, 2 * h + bb, warp_of_half, 1);
 #pragma unroll
         for (int ii = 1; ii < kSubBlock; ++ii) {
           const int i = row0 + ii;
-          if (i < rows) {
-            const float2 qi2 = bf16x2_to_float2(qx[ii]), ki2 = bf16x2_to_float2(kx[ii]);
-            float qi = hi ? qi2.y : qi2.x, ki = hi ? ki2.y : ki2.x;
+          if (i < rows) {  // uniform
+            const float2 qi = bf16x2_to_float2(qx[ii]), ki = bf16x2_to_float2(kx[ii]);
+            float rq = 1.f, rk = 1.f;
             if constexpr (kL2Norm) {
-              qi *= rnorm[i];
-              ki *= rnorm[kChunk + i];
+              rq = rnorm[i];
+              rk = rnorm[kChunk + i];
             }
 #pragma unroll
             for (int jj = 0; jj < ii; ++jj) {
-              const float2 kj2 = bf16x2_to_float2(kx[jj]);
-              float kj = hi ? kj2.y : kj2.x;
-              if constexpr (kL2Norm) kj *= rnorm[kChunk + row0 + jj];
-              const float w = fast_exp2(G[ii] - G[jj]) * kj;
-              atomicAdd(cqk + ii * kSubBlock + jj, qi * w);
-              atomicAdd(ckk + ii * kSubBlock + jj, ki * w);
+              const float2 kj = bf16x2_to_float2(kx[jj]);
+              const float rkj = kL2Norm ? rnorm[kChunk + row0 + jj] : 1.f;
+              const float e0 = w0 ? fast_exp2(G0[ii] - G0[jj]) * kj.x : 0.f;
+              const float e1 = w1 ? fast_exp2(G1[ii] - G1[jj]) * kj.y : 0.f;
+              const float tqk = warp_sum(qi.x * e0 + qi.y * e1) * rq * rkj;
+              const float tkk = warp_sum(ki.x * e0 + ki.y * e1) * rk * rkj;
+              if (lane == 0) {
+                cqk[ii * kSubBlock + jj] = tqk;
+                ckk[ii * kSubBlock + jj] = tkk;
+              }
             }
           }
         }
-      };
-      if (wide[bb][0]) exact(G0, false);
-      if (wide[bb][1]) exact(G1, true);
+      }
     }
   }
   // Block-end cumulative decays: the second half adds the first half's total (r_1). General
@@ -349,7 +363,10 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
         s8 = fast_exp2(rw8 - st.r_block[bj][c0 + 8]);
         s9 = fast_exp2(rw9 - st.r_block[bj][c0 + 9]);
       } else if (bj == warp) {
-        if constexpr (kGeneral) {  // wide features: their reference is not the block's end
+        if constexpr (kGeneral) {
+          // Wide features: their reference is not the block's end. Exact float equality is the
+          // test: a_ref and r_block are written from the same expression for a non-wide pair, and
+          // differ by the span (> 100) for a wide one (intra_prepare_operands keeps them so).
           s0 = rw0 == st.r_block[warp][c0] ? 1.f : 0.f;
           s1 = rw1 == st.r_block[warp][c0 + 1] ? 1.f : 0.f;
           s8 = rw8 == st.r_block[warp][c0 + 8] ? 1.f : 0.f;
@@ -418,8 +435,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
   float* rnorm = reinterpret_cast<float*>(smem.intra_scratch + kRnormOffset);
   float* row_stats = reinterpret_cast<float*>(smem.intra_scratch + kRowStatsOffset);
   float* diag = reinterpret_cast<float*>(smem.intra_scratch + kDiagOffset);
-    intra_prepare_operands<kGateInKernel, kL2Norm, kGeneral>(p, st, rnorm, row_stats, smem.a_ref, rows, gate_scale,
-                                                             gate_bias, tid);
+    intra_prepare_operands<kGateInKernel, kL2Norm, kGeneral>(p, smem, st, rnorm, row_stats, smem.a_ref, rows,
+                                                             gate_scale, gate_bias, tid);
     timer.mark(1);
 
     float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
@@ -432,12 +449,10 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
     const float beta_lo = st.beta[kSubBlock * warp + g4];
     const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
     float a_off[8 * (kNumSubBlocks - 1)];
-    // General gates: the exact diagonal-block terms of the wide features (prep), read before this
-    // warp's A_qk stores overwrite them (they share the warp's 16-row band of the A_qk tile).
+    // General gates: the exact diagonal-block terms of the wide features (prep), the two warp
+    // partials added in a fixed order.
     float corr_qk[2][2][2] = {}, corr_kk[2][2][2] = {};  // [n8][h2][element]
     if constexpr (kGeneral) {
-      const float* cqk = wide_corrections(st, warp, 0);
-      const float* ckk = wide_corrections(st, warp, 1);
 #pragma unroll
       for (int n8 = 0; n8 < 2; ++n8)
 #pragma unroll
@@ -445,10 +460,9 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int at = (g4 + 8 * h2) * kSubBlock + 8 * n8 + 2 * t4 + e;
-            corr_qk[n8][h2][e] = cqk[at];
-            corr_kk[n8][h2][e] = ckk[at];
+            corr_qk[n8][h2][e] = wide_corrections(smem, warp, 0, 0)[at] + wide_corrections(smem, warp, 1, 0)[at];
+            corr_kk[n8][h2][e] = wide_corrections(smem, warp, 0, 1)[at] + wide_corrections(smem, warp, 1, 1)[at];
           }
-      __syncwarp();
     }
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
