@@ -487,3 +487,17 @@ def test_gpu_path_writes_partial_reports(tmp_path, monkeypatch) -> None:
     assert runner.gpu_path(device, args) == 0
     saved = json.loads((tmp_path / "b.json").read_text())
     assert len(saved["rows"]) == 9 and not any("partial" in s for s in saved["statements"])
+def test_softplus_gate_option() -> None:
+    """--softplus-gate: safe_gate=False and no lower_bound in every call; FlashKDA says why it is n/a;
+    the inputs draw A_log ~ N(0, 1) and g ~ 2 N(0, 1)."""
+    from kda_bench.inputs import Options, make_inputs
+
+    opt = Options(softplus_gate=True)
+    assert not opt.safe_gate and opt.call_lower_bound is None and "softplus" in opt.describe()
+    assert Options().safe_gate and Options().call_lower_bound == -5.0
+    assert Options(gate_in_kernel=False).call_lower_bound is None
+    ok, why = FlashKdaBaseline(opt).supports(Config("fixed", 1, 64, 4, 4))
+    assert not ok and "softplus" in why
+    gen = torch.Generator().manual_seed(0)
+    x = make_inputs(Config("fixed", 1, 4096, 4, 4), opt, torch.device("cpu"), torch.bfloat16, gen, None)
+    assert 1.7 < float(x.g.float().std()) < 2.3 and x.A_log.shape == (4,) and x.A_log.dtype == torch.float32

@@ -155,6 +155,10 @@ ACCEPT: dict[str, Callable[[], dict[str, Any]]] = {
     "chunk_size-32": lambda: fla_call(chunk_size=32),
     # FLA's default safe_gate=False: the lower bound in [-5, 0) already bounds every decay.
     "safe_gate-False-lower_bound--5": lambda: fla_call(safe_gate=False),
+    # Unbounded decays: the kernel's general-gate path.
+    "safe_gate-False-lower_bound--6": lambda: fla_call(safe_gate=False, lower_bound=-6.0),
+    "precomputed-decays-safe_gate-False": lambda: _decays(safe_gate=False),
+    "softplus-gate-safe_gate-False": lambda: fla_call(lower_bound=None, safe_gate=False),
 }
 
 REJECT: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
@@ -164,10 +168,9 @@ REJECT: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
     "V64": (lambda: fla_call(V=64), "V == 128"),
     "HV-not-multiple-of-H": (lambda: fla_call(H=2, HV=3, A_log=torch.zeros(3), dt_bias=torch.zeros(3 * D)),
                              "multiple of H"),
-    "safe_gate-False-lower_bound--6": (lambda: fla_call(safe_gate=False, lower_bound=-6.0), "safe_gate"),
-    "precomputed-decays-safe_gate-False": (lambda: _decays(safe_gate=False), "safe_gate"),
+    # safe_gate=True promises decays in [-5, 0): a bound below it, or none, contradicts that.
     "lower_bound-below--5": (lambda: fla_call(lower_bound=-6.0), "lower_bound"),
-    "softplus-gate": (lambda: fla_call(lower_bound=None), "lower_bound"),
+    "softplus-gate-safe_gate-True": (lambda: fla_call(lower_bound=None), "lower_bound"),
     "g-fp32": (lambda: fla_call(g=torch.randn(1, 9, 4, D)), "`g`"),
     "beta-fp16": (lambda: fla_call(beta=torch.rand(1, 9, 4).half()), "beta"),
     "A_log-bf16": (lambda: fla_call(A_log=torch.zeros(4, dtype=torch.bfloat16)), "A_log"),

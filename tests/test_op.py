@@ -51,7 +51,7 @@ def op_args(x: dict, *, N: int | None = None, cu: torch.Tensor | None = None, h0
             None)
     kwargs = dict(scale=K ** -0.5, lower_bound=-5.0 if gate else None, use_gate_in_kernel=gate,
                   use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=logits,
-                  state_layout=layout, backend=backend)
+                  state_layout=layout, bounded_decays=True, backend=backend)
     return args, kwargs
 
 
@@ -67,7 +67,7 @@ def test_op_schema_names_and_mutations() -> None:
     assert names == ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
                      "state_indices", "has_initial_state", "o", "final_state", "state_pool",
                      "scale", "lower_bound", "use_gate_in_kernel", "use_qk_l2norm_in_kernel",
-                     "use_beta_sigmoid_in_kernel", "state_layout", "backend"]
+                     "use_beta_sigmoid_in_kernel", "state_layout", "bounded_decays", "backend"]
     mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert mutated == ["o", "final_state", "state_pool"]
     assert all(a.kwarg_only for a in schema.arguments[14:]), "options must be keyword-only"
@@ -119,7 +119,7 @@ def pooled_op_args(x: dict, *, cu: list[int], indices: list[int], S: int = 5, la
             torch.tensor(cu), idx, hi, o, None, pool if write else None)
     kwargs = dict(scale=K ** -0.5, lower_bound=None, use_gate_in_kernel=False,
                   use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=False,
-                  state_layout=layout, backend="reference")
+                  state_layout=layout, bounded_decays=True, backend="reference")
     return args, kwargs
 
 

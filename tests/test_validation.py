@@ -242,8 +242,6 @@ CASES: list[Case] = [
     ("use_gate_in_kernel-int", lambda: _with(use_gate_in_kernel=1), TypeError, "use_gate_in_kernel"),
     ("safe_gate-str", lambda: _with(safe_gate="True"), TypeError, "safe_gate"),
     # ---- sm90 backend limits (argument-level: raised before any device check) --------------
-    ("sm90-safe_gate-False", lambda: _with(backend="sm90", safe_gate=False),
-     NotImplementedError, "safe_gate"),
     ("sm90-fp32", lambda: _with(make_args(K=128, V=128), backend="sm90", safe_gate=True),
      TypeError, "q"),
     ("sm90-fp16", lambda: _with(make_args(K=128, V=128, dtype=torch.float16),
@@ -300,14 +298,6 @@ def test_dt_bias_2d_accepted_and_same_as_flat(seed) -> None:
 # ----------------------------------------------------------------------------------------------
 # the sm90 backend on a CPU-only machine
 # ----------------------------------------------------------------------------------------------
-
-
-def test_sm90_safe_gate_false_points_to_reference() -> None:
-    kw = _with(make_args(K=128, V=128, dtype=torch.bfloat16), backend="sm90", safe_gate=False)
-    with pytest.raises(NotImplementedError) as info:
-        kda_prefill(**kw)
-    assert 'backend="reference"' in str(info.value)
-    assert "safe_gate" in str(info.value)
 
 
 def test_sm90_on_cpu_raises_clear_error() -> None:
@@ -491,10 +481,6 @@ def _sm90_kwargs(**over: Any) -> dict[str, Any]:
 def test_auto_on_hopper_does_not_fall_back_silently(monkeypatch) -> None:
     monkeypatch.setattr(prefill_mod, "_is_sm90", lambda device: True)
     prefill_mod.LAST_BACKEND = None
-    with pytest.raises(NotImplementedError) as info:
-        kda_prefill(**_sm90_kwargs(use_gate_in_kernel=False, lower_bound=None, safe_gate=False))
-    msg = str(info.value)
-    assert 'backend="auto"' in msg and "safe_gate" in msg and 'backend="reference"' in msg
     with pytest.raises(TypeError, match='backend="auto".*`q`.*bfloat16'):
         kda_prefill(**{**_sm90_kwargs(), **{n: t.float() for n, t in
                                              make_args(T=5, K=128, V=128).items()}})
@@ -522,7 +508,7 @@ def test_hopper_without_extension_raises(monkeypatch) -> None:
 EXT_ARGUMENTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
                  "state_indices", "has_initial_state", "o", "final_state", "state_pool", "scale",
                  "lower_bound", "use_gate_in_kernel", "use_qk_l2norm_in_kernel",
-                 "use_beta_sigmoid_in_kernel", "state_v_first")
+                 "use_beta_sigmoid_in_kernel", "state_v_first", "general_gates")
 
 
 def test_sm90_dispatch_calls_extension_with_documented_arguments(monkeypatch) -> None:
@@ -568,7 +554,7 @@ def test_sm90_dispatch_calls_extension_with_documented_arguments(monkeypatch) ->
     options = {n: args[n] for n in EXT_ARGUMENTS[14:]}
     assert options == dict(scale=0.25, lower_bound=-5.0, use_gate_in_kernel=True,
                            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=False,
-                           state_v_first=True)
+                           state_v_first=True, general_gates=False)
     # auto on a Hopper GPU with supported arguments picks the kernel too
     kw.update(backend="auto", output_final_state=False, state_layout="kv")
     monkeypatch.setattr(prefill_mod, "_is_sm90", lambda device: True)

@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="use_qk_l2norm_in_kernel=False (FlashKDA: n/a)")
     p.add_argument("--precomputed-gate", action="store_true",
                    help="use_gate_in_kernel=False with gates lower_bound*sigmoid(N(0,1)) (FlashKDA: n/a)")
+    p.add_argument("--softplus-gate", action="store_true",
+                   help="Kimi-Linear's unbounded gate -exp(A_log)*softplus(g+dt_bias), safe_gate=False "
+                        "(A_log ~ N(0,1), g ~ 2 N(0,1); FlashKDA: n/a)")
     p.add_argument("--no-cula", action="store_true", help="leave cula out")
     p.add_argument("--require-cula", action="store_true",
                    help="exit 1 when cula cannot be timed on the SM90 GPU (e.g. extension not built)")

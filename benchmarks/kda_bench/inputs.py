@@ -30,9 +30,29 @@ class Options:
     state_layout: str = "kv"
     beta_dtype: torch.dtype = torch.float32
     lower_bound: float = LOWER_BOUND
+    #: Kimi-Linear's unbounded gate -exp(A_log) softplus(g + dt_bias) (no lower_bound,
+    #: safe_gate=False), with A_log ~ N(0, 1) and g ~ 2 N(0, 1).
+    softplus_gate: bool = False
+
+    @property
+    def safe_gate(self) -> bool:
+        return not self.softplus_gate
+
+    @property
+    def call_lower_bound(self) -> float | None:
+        """The ``lower_bound`` argument of the calls: None without the gate in kernel or with
+        the softplus gate."""
+        return self.lower_bound if self.gate_in_kernel and not self.softplus_gate else None
 
     def describe(self) -> str:
         """One line for the reports."""
+        if self.softplus_gate:
+            return ("safe_gate=False, use_gate_in_kernel=True (-exp(A_log)*softplus(g+dt_bias), "
+                    "A_log ~ N(0,1), g ~ 2 N(0,1)), dt_bias, "
+                    f"use_qk_l2norm_in_kernel={self.l2norm}, output_final_state=True, "
+                    f"initial_state={'random fp32' if self.initial_state else 'None'}, "
+                    f"state_layout={self.state_layout!r}, beta {str(self.beta_dtype).replace('torch.', '')}, "
+                    "scale=K**-0.5")
         gate = ("use_gate_in_kernel=True (lower_bound*sigmoid(exp(A_log)*(g+dt_bias))), A_log, dt_bias"
                 if self.gate_in_kernel else "precomputed gates in [lower_bound, 0)")
         return (f"safe_gate=True, lower_bound={self.lower_bound}, {gate}, "
@@ -95,7 +115,11 @@ def make_inputs(cfg: Config, opt: Options, device: torch.device, dtype: torch.dt
     q = randn(B, T, H, D)
     k = randn(B, T, H, D)
     v = randn(B, T, HV, D)
-    if opt.gate_in_kernel:
+    if opt.softplus_gate:
+        g = (2 * randn(B, T, HV, D, dt=torch.float32)).to(dtype)
+        A_log = torch.randn(HV, generator=gen, device=device)
+        dt_bias = 0.5 * torch.randn(HV * D, generator=gen, device=device)
+    elif opt.gate_in_kernel:
         g = randn(B, T, HV, D)
         A_log = torch.empty(HV, device=device).uniform_(1.0, 16.0, generator=gen).log()
         dt_bias = 0.5 * torch.randn(HV * D, generator=gen, device=device)

@@ -40,7 +40,7 @@ def reference_call(fn: ReferenceFn, x: Inputs, opt: Options,
     return fn(x.q, x.k, x.v, x.g, x.beta, scale=None, initial_state=x.h0,
               output_final_state=True, cu_seqlens=x.cu, use_qk_l2norm_in_kernel=opt.l2norm,
               use_gate_in_kernel=opt.gate_in_kernel, A_log=x.A_log, dt_bias=x.dt_bias,
-              lower_bound=opt.lower_bound if opt.gate_in_kernel else None,
+              lower_bound=opt.call_lower_bound,
               state_layout=opt.state_layout, dtype=dtype)
 
 

@@ -332,9 +332,12 @@ def skipped_names(args: argparse.Namespace) -> frozenset[str]:
 
 def gpu_path(device: Device, args: argparse.Namespace) -> int:
     """The suite on an SM90 GPU; writes the reports; returns the exit status."""
+    if args.softplus_gate and args.precomputed_gate:
+        raise SystemExit("--softplus-gate and --precomputed-gate exclude each other")
     opt = Options(l2norm=not args.no_l2norm, gate_in_kernel=not args.precomputed_gate,
                   initial_state=args.initial_state, state_layout=args.state_layout,
-                  beta_dtype=torch.float32 if args.beta_dtype == "fp32" else torch.bfloat16)
+                  beta_dtype=torch.float32 if args.beta_dtype == "fp32" else torch.bfloat16,
+                  softplus_gate=args.softplus_gate)
     p = run_params(args)
     dev = device.device
     torch.cuda.set_device(dev)

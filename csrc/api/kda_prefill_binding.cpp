@@ -61,7 +61,8 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const std::optional<at::Tensor>& has_initial_state, const at::Tensor& o,
                       const std::optional<at::Tensor>& final_state, const std::optional<at::Tensor>& state_pool,
                       double scale, std::optional<double> lower_bound, bool use_gate_in_kernel,
-                      bool use_qk_l2norm_in_kernel, bool use_beta_sigmoid_in_kernel, bool state_v_first) {
+                      bool use_qk_l2norm_in_kernel, bool use_beta_sigmoid_in_kernel, bool state_v_first,
+                      bool general_gates) {
   const at::Device device = q.device();
   assert_dense_on(o, "o", device);
   CULA_ASSERT(q.dim() == 4 && k.sizes() == q.sizes(), "q and k must be [B, T, H, K], got ", q.sizes(), " and ",
@@ -168,8 +169,10 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   }
 
   if (use_gate_in_kernel) {
-    // The kernel implements the lower-bound gate form only (its range is the Python API's rule).
-    CULA_ASSERT(lower_bound.has_value(), "use_gate_in_kernel needs lower_bound");
+    // The lower-bound form (its range is the Python API's rule), or on the general-gate path the
+    // softplus form without lower_bound, which needs A_log.
+    CULA_ASSERT(lower_bound.has_value() || (general_gates && A_log.has_value()),
+                "use_gate_in_kernel needs lower_bound, or general_gates and A_log (softplus form)");
     if (A_log.has_value()) {
       assert_dense_on(*A_log, "A_log", device);
       CULA_ASSERT(A_log->scalar_type() == at::kFloat && A_log->numel() == HV, "A_log must be float32 [HV]");
@@ -180,7 +183,8 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       CULA_ASSERT(dt_bias->scalar_type() == at::kFloat && dt_bias->numel() == HV * K, "dt_bias must be float32 [HV*K]");
       p.dt_bias = dt_bias->data_ptr<float>();
     }
-    p.lower_bound = float(*lower_bound);
+    p.lower_bound = lower_bound.has_value() ? float(*lower_bound) : 0.f;
+    p.gate_softplus = !lower_bound.has_value();
   } else {
     CULA_ASSERT(!A_log.has_value() && !dt_bias.has_value(), "A_log/dt_bias need use_gate_in_kernel=True");
   }
@@ -204,6 +208,7 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   p.beta_is_bf16 = beta.scalar_type() == at::kBFloat16;
   p.beta_sigmoid = use_beta_sigmoid_in_kernel;
   p.state_vk = state_v_first;
+  p.general_gates = general_gates;
 
   // Cooperative mode (few tiles): its workspace comes from torch's caching allocator, stream-ordered
   // (freed here, reusable by later work on this stream only) and inside a CUDA graph capture from
@@ -231,5 +236,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dt_bias"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("state_indices"),
         py::arg("has_initial_state"), py::arg("o"), py::arg("final_state"), py::arg("state_pool"), py::arg("scale"),
         py::arg("lower_bound"), py::arg("use_gate_in_kernel"), py::arg("use_qk_l2norm_in_kernel"),
-        py::arg("use_beta_sigmoid_in_kernel"), py::arg("state_v_first"));
+        py::arg("use_beta_sigmoid_in_kernel"), py::arg("state_v_first"), py::arg("general_gates") = false);
 }

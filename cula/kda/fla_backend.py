@@ -13,9 +13,9 @@ Importing :mod:`cula.kda` registers cula there when fla-core is installed (:func
   extension is (:func:`cula.kernels_available`).
 * The verifier accepts exactly the calls the fused SM90 kernel serves: gradients off
   (``torch.inference_mode()`` or ``torch.no_grad()``), q/k/v/g bfloat16 with K = V = 128 on a
-  Hopper GPU, any GVA ratio (HV a multiple of H), the in-kernel gate with ``lower_bound``
-  in [-5, 0) (``safe_gate`` True or False: the bound keeps every decay in range), or precomputed
-  decays with ``safe_gate=True`` (the caller's promise that they lie in [-5, 0)),
+  Hopper GPU, any GVA ratio (HV a multiple of H), any gate: the in-kernel gate in either form
+  (``lower_bound``, or the softplus form without it), precomputed decays, with ``safe_gate`` True
+  (the caller's promise that decays lie in [-5, 0)) or False (the kernel's general-gate path),
   beta as probabilities or as logits (``use_beta_sigmoid_in_kernel=True``), either state layout
   (``state_v_first``), ``cu_seqlens`` (int32 or int64). It runs the same validation as
   :func:`cula.kda.kda_prefill` (one rule per argument, in :mod:`cula.kda.prefill`), so its

@@ -11,7 +11,8 @@ graph (no graph break) and a CUDA graph can capture it::
                       Tensor? state_indices, Tensor? has_initial_state, Tensor(a!) o,
                       Tensor(b!)? final_state, Tensor(c!)? state_pool, *, float scale,
                       float? lower_bound, bool use_gate_in_kernel, bool use_qk_l2norm_in_kernel,
-                      bool use_beta_sigmoid_in_kernel, str state_layout, str backend) -> ()
+                      bool use_beta_sigmoid_in_kernel, str state_layout, bool bounded_decays,
+                      str backend) -> ()
 
 (tensors are positional, as torch.library requires; every option is keyword-only).
 
@@ -112,8 +113,10 @@ def _run_sm90(
     o: Tensor, final_state: Tensor | None, state_pool: Tensor | None,
     scale: float, lower_bound: float | None, use_gate_in_kernel: bool,
     use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, state_layout: str,
+    bounded_decays: bool,
 ) -> None:
-    """The fused kernel on the current stream of q's device.
+    """The fused kernel on the current stream of q's device (``bounded_decays`` False: its
+    general-gate path, for log decays anywhere in [-inf, 0]).
 
     The kernel reads the inputs in place where their layout allows it (column slices of a fused
     projection: features contiguous, 16-byte multiples for the other strides), applies the beta
@@ -146,6 +149,7 @@ def _run_sm90(
         scale=scale, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_v_first=state_layout == "vk",
+        general_gates=not bounded_decays,
     )
     if o_k is not o:
         o.copy_(o_k)
@@ -160,6 +164,7 @@ def _run_reference(
     o: Tensor, final_state: Tensor | None, state_pool: Tensor | None,
     scale: float, lower_bound: float | None, use_gate_in_kernel: bool,
     use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, state_layout: str,
+    bounded_decays: bool,
 ) -> None:
     """The fp32 token-by-token recurrence (any device), written into the outputs.
 
@@ -236,6 +241,7 @@ def kda_prefill_op(
     use_qk_l2norm_in_kernel: bool,
     use_beta_sigmoid_in_kernel: bool,
     state_layout: str,
+    bounded_decays: bool,
     backend: str,
 ) -> None:
     """KDA prefill forward into caller-owned outputs (validated arguments only).
@@ -253,14 +259,15 @@ def kda_prefill_op(
       optional) marks the sequences that start from zeros (False) instead of their pool row.
 
     Writes o, final_state and the real rows of state_pool; returns nothing. ``scale`` is the
-    resolved scale (no default here); ``lower_bound`` None selects the softplus gate (reference
-    backend only); ``use_beta_sigmoid_in_kernel``: beta holds logits.
+    resolved scale (no default here); ``lower_bound`` None selects the softplus gate;
+    ``bounded_decays``: every log decay is known to lie in [-5, 0) (the sm90 kernel's safe-gate
+    path; False selects its general-gate path); ``use_beta_sigmoid_in_kernel``: beta holds logits.
     """
     _BACKENDS[backend](
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_indices,
         has_initial_state, o, final_state, state_pool,
         scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
-        use_beta_sigmoid_in_kernel, state_layout,
+        use_beta_sigmoid_in_kernel, state_layout, bounded_decays,
     )
 
 
@@ -275,7 +282,7 @@ def _kda_prefill_fake(
     o: Tensor, final_state: Tensor | None, state_pool: Tensor | None, *,
     scale: float, lower_bound: float | None, use_gate_in_kernel: bool,
     use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, state_layout: str,
-    backend: str,
+    bounded_decays: bool, backend: str,
 ) -> None:
     """Shapes and dtypes only: the outputs are the caller's, so nothing is allocated. Checks that
     they are exactly what the op writes (``o``: v's shape in q's dtype; ``final_state``: float32
@@ -323,7 +330,7 @@ def call_kda_prefill(
     o: Tensor, final_state: Tensor | None, state_pool: Tensor | None, *,
     scale: float, lower_bound: float | None, use_gate_in_kernel: bool,
     use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, state_layout: str,
-    backend: str,
+    bounded_decays: bool, backend: str,
 ) -> None:
     """``torch.ops.cula.kda_prefill`` with the same arguments, or, in plain eager mode
     (:func:`_plain_eager`), its implementation called directly. Either way the same function runs
@@ -337,10 +344,10 @@ def call_kda_prefill(
             *args, scale=scale, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_layout=state_layout,
-            backend=backend)
+            bounded_decays=bounded_decays, backend=backend)
         return
     _BACKENDS[backend](*args, scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
-                       use_beta_sigmoid_in_kernel, state_layout)
+                       use_beta_sigmoid_in_kernel, state_layout, bounded_decays)
     for t in (o, final_state, state_pool):
         if t is not None and not t.is_inference():
             torch.autograd.graph.increment_version(t)

@@ -453,14 +453,6 @@ def _check_sm90_arguments(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: b
                           prefix: str) -> None:
     """Argument-level limits of the fused kernel (no device queries). Runs after
     :func:`_validate_tensors`, so beta is already float32 or bfloat16 when q is bfloat16."""
-    if not decays_bounded:
-        raise NotImplementedError(
-            f"{prefix}kda_prefill: `safe_gate` must be True for the sm90 kernel, got False. The "
-            f"kernel needs every log decay in [{_SAFE_GATE_MIN}, 0) (e.g. use_gate_in_kernel=True "
-            f"with lower_bound in [{_SAFE_GATE_MIN}, 0), which guarantees it); the general-gate "
-            f"path is not implemented: set `safe_gate=True` if your gates satisfy it, or "
-            f"{_USE_REFERENCE_HINT}"
-        )
     if q.dtype != torch.bfloat16:
         raise TypeError(
             prefix + _err("q", "bfloat16 (with k, v, g) for the sm90 kernel", q)
@@ -517,6 +509,7 @@ class _Plan(NamedTuple):
     num_seqs: int             # N: B, or len(cu_seqlens) - 1
     pooled: bool              # state_indices given: initial_state is a pool written in place
     state_dtype: torch.dtype  # dtype of a final state kda_prefill allocates (non-pooled)
+    bounded_decays: bool      # every log decay known to lie in [-5, 0): the kernel's safe-gate path
 
 
 def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool,
@@ -591,7 +584,7 @@ def _plan(
         state_dtype = initial_state.dtype
     else:
         state_dtype = torch.float32
-    return _Plan(chosen, scale_f, lb, N, pooled, state_dtype)
+    return _Plan(chosen, scale_f, lb, N, pooled, state_dtype, decays_bounded)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -784,7 +777,7 @@ def kda_prefill(
         scale=plan.scale, lower_bound=plan.lower_bound, use_gate_in_kernel=use_gate_in_kernel,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_layout=state_layout,
-        backend=plan.backend,
+        bounded_decays=plan.bounded_decays, backend=plan.backend,
     )
 
     LAST_BACKEND = plan.backend

@@ -91,8 +91,8 @@ class CulaBaseline(Baseline):
                                output_final_state=True, cu_seqlens=x.cu,
                                use_qk_l2norm_in_kernel=opt.l2norm,
                                use_gate_in_kernel=opt.gate_in_kernel, A_log=x.A_log,
-                               dt_bias=x.dt_bias, safe_gate=True,
-                               lower_bound=opt.lower_bound if opt.gate_in_kernel else None,
+                               dt_bias=x.dt_bias, safe_gate=opt.safe_gate,
+                               lower_bound=opt.call_lower_bound,
                                state_layout=opt.state_layout, backend="sm90")
         return call
 

@@ -58,7 +58,7 @@ class FlaBaseline(Baseline):
             return fn(q=x.q, k=x.k, v=x.v, g=x.g, beta=beta, scale=None, initial_state=x.h0,
                       output_final_state=True, use_qk_l2norm_in_kernel=opt.l2norm,
                       use_gate_in_kernel=opt.gate_in_kernel, A_log=x.A_log, dt_bias=x.dt_bias,
-                      safe_gate=True, lower_bound=opt.lower_bound if opt.gate_in_kernel else None,
+                      safe_gate=opt.safe_gate, lower_bound=opt.call_lower_bound,
                       state_v_first=opt.state_layout == "vk", cu_seqlens=x.cu)
         return call
 

@@ -58,6 +58,8 @@ class FlashKdaBaseline(Baseline):
             return False, f"FlashKDA needs K = V = 128 (D={cfg.D})"
         if not self.opt.l2norm:
             return False, "FlashKDA always L2-normalises q and k (the run has --no-l2norm)"
+        if self.opt.softplus_gate:
+            return False, "FlashKDA has only its lower-bound gate (the run has --softplus-gate)"
         if not self.opt.gate_in_kernel:
             return False, ("FlashKDA always applies its lower-bound gate in the kernel (the run has "
                            "--precomputed-gate)")

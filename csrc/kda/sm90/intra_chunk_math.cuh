@@ -33,6 +33,31 @@ namespace cula::kda::sm90 {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kL2NormEps = 1e-6f;
+// General gates (safe_gate=False: decays unbounded below), docs/kernel.md "General gates":
+// log2 decays are floored here (a -inf channel still resets: exp2(-200) is 0 in float32, while
+// every difference of cumulative sums stays finite), and a (16-row block, feature) whose decay
+// over the block exceeds kWideSpanLog2 is "wide": its diagonal-block terms are computed exactly,
+// element by element, instead of through the block-end factorisation (whose e = exp2(G - r_b)
+// would overflow). Same constants as cula/kda/reference.py (GATE_FLOOR_LOG2, DIAG_SPAN_MAX_LOG2).
+constexpr float kGateFloorLog2 = -200.f;
+constexpr float kWideSpanLog2 = 100.f;
+
+// Exact diagonal-block terms of wide features (general gates): each of the two warps that hold a
+// block's rows sums its 32 lanes' features with a fixed shuffle tree and stores its partial sums
+// (no atomics: the result does not depend on timing); step 5 adds the two partials in a fixed
+// order. float [4 blocks][2 warps][2 (A_qk, A_kk)][16][16] = 16 KB in the inverse's operand
+// buffer, which is free from the prep until step 7 (its last reader, the previous chunk's
+// inverse, waited for its WGMMAs).
+__device__ __forceinline__ float* wide_corrections(SharedStorage& smem, int block, int warp_of_half, int which) {
+  return reinterpret_cast<float*>(smem.inverse_operand) + ((block * 2 + warp_of_half) * 2 + which) * 256;
+}
+static_assert(4 * 2 * 2 * 256 * 4 == kTileBytes, "the corrections fill the inverse's operand buffer");
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
+  return x;
+}
 
 // Addressing of the feature pair (2 cp, 2 cp + 1) of a 64x128 bf16 tile, for the passes that give
 // each thread two adjacent features of one half of the chunk's rows.
@@ -60,14 +85,24 @@ __device__ __forceinline__ void st_bf16x2(uint8_t* base, uint32_t off, float lo,
 // Thread (h = tid / 64, cp = tid % 64) owns features 2 cp and 2 cp + 1 of rows [32 h, 32 h + 32):
 // two 16-row blocks, so e and f (which only depend on G inside a block) need nothing from the other
 // half; only the block-end values r_b of the second half get the first half's total added.
-template <bool kGateInKernel, bool kL2Norm>
-__device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, StageStorage& st, float* rnorm,
-                                                       float* row_stats,
-                                                       int rows, float gate_scale, float2 gate_bias, int tid) {
+//
+// kGeneral (general gates): the gate may be the softplus form, decays are floored, and wide
+// (block, feature) pairs store q and k against the block's start instead of its end (both
+// factors <= 1), get their diagonal-block terms exactly (wide_corrections), and record their
+// reference in a_ref (r_{b-1} instead of r_b) for the A products and step 6.
+template <bool kGateInKernel, bool kL2Norm, bool kGeneral = false>
+__device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, SharedStorage& smem,
+                                                       StageStorage& st, float* rnorm, float* row_stats,
+                                                       float (*a_ref)[kHeadDim], int rows, float gate_scale,
+                                                       float2 gate_bias, int tid) {
+  if constexpr (kGeneral) {  // zero the corrections (16 KB): pairs not computed below stay 0
+    float4* z = reinterpret_cast<float4*>(smem.inverse_operand);
+    for (int x = tid; x < kTileBytes / 16; x += 128) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   // Rows past the sequence end (the last chunk of a sequence only; `rows` is the same for the whole
   // warpgroup): q = k = 0 and a raw gate that means "no decay" (-inf before the sigmoid of the
-  // lower-bound form, 0 for given log decays), written over what TMA loaded there. Then every pass
-  // below treats all 64 rows alike, without a per-row validity select.
+  // lower-bound form or the softplus form, 0 for given log decays), written over what TMA loaded
+  // there. Then every pass below treats all 64 rows alike, without a per-row validity select.
   if (rows < kChunk) {
     const uint32_t g_fill = kGateInKernel ? 0xff80ff80u : 0u;  // bf16x2 (-inf, -inf) or (0, 0)
     for (int x = tid; x < (kChunk - rows) * 16; x += 128) {
@@ -136,9 +171,11 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
   const float lb_log2 = p.lower_bound * kLog2e;
   float cum0 = 0.f, cum1 = 0.f;
   float rb_local[2][2];
+  bool wide[2][2] = {{false, false}, {false, false}};  // general gates: [block of the half][feature]
 #pragma unroll
   for (int bb = 0; bb < 2; ++bb) {
     const int row0 = 32 * h + kSubBlock * bb;
+    const float start0 = cum0, start1 = cum1;  // cumulative decay before the block (half-local)
     // All loads of the block first (one warp per scheduler: only independent loads hide latency).
     uint32_t gx[kSubBlock], qx[kSubBlock], kx[kSubBlock];
 #pragma unroll
@@ -154,14 +191,27 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       const float2 x = bf16x2_to_float2(gx[ii]);
       float g0, g1;
       if constexpr (kGateInKernel) {
-        // lower_bound * sigmoid(scale * (g + dt_bias)) in log2 units, with the constants folded:
-        // exp2(-scale (g + b) log2 e) = exp2(fma(g, slope, icpt)). A raw -inf (a row past the
-        // end) gives exp2(+inf) = inf and a decay of 0.
-        g0 = __fdividef(lb_log2, 1.f + fast_exp2(fmaf(x.x, slope, icpt0)));
-        g1 = __fdividef(lb_log2, 1.f + fast_exp2(fmaf(x.y, slope, icpt1)));
+        if (kGeneral && p.gate_softplus) {
+          // -exp(A_log) softplus(g + dt_bias), in log2 units: softplus(y) log2(e) =
+          // max(y, 0) log2(e) + log2(1 + exp2(-|y| log2(e))). A raw -inf (a row past the end)
+          // gives softplus = 0: no decay.
+          const float y0 = x.x + gate_bias.x, y1 = x.y + gate_bias.y;
+          g0 = -gate_scale * (fmaxf(y0, 0.f) * kLog2e + __log2f(1.f + fast_exp2(-fabsf(y0) * kLog2e)));
+          g1 = -gate_scale * (fmaxf(y1, 0.f) * kLog2e + __log2f(1.f + fast_exp2(-fabsf(y1) * kLog2e)));
+        } else {
+          // lower_bound * sigmoid(scale * (g + b)) in log2 units, with the constants folded:
+          // exp2(-scale (g + b) log2 e) = exp2(fma(g, slope, icpt)). A raw -inf (a row past the
+          // end) gives exp2(+inf) = inf and a decay of 0.
+          g0 = __fdividef(lb_log2, 1.f + fast_exp2(fmaf(x.x, slope, icpt0)));
+          g1 = __fdividef(lb_log2, 1.f + fast_exp2(fmaf(x.y, slope, icpt1)));
+        }
       } else {
         g0 = x.x * kLog2e;
         g1 = x.y * kLog2e;
+      }
+      if constexpr (kGeneral) {  // -inf (and anything below) -> the floor; NaN stays NaN
+        g0 = g0 < kGateFloorLog2 ? kGateFloorLog2 : g0;
+        g1 = g1 < kGateFloorLog2 ? kGateFloorLog2 : g1;
       }
       cum0 += g0;
       cum1 += g1;
@@ -170,6 +220,15 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     }
     rb_local[bb][0] = cum0;
     rb_local[bb][1] = cum1;
+    // Reference of each feature's factors: the block's end (e = exp2(G - r_b) >= 1, as with safe
+    // gates) or, for a wide feature, its start (exp2(G - r_{b-1}) <= 1).
+    float ref0 = cum0, ref1 = cum1;
+    if constexpr (kGeneral) {
+      wide[bb][0] = start0 - cum0 > kWideSpanLog2;
+      wide[bb][1] = start1 - cum1 > kWideSpanLog2;
+      if (wide[bb][0]) ref0 = start0;
+      if (wide[bb][1]) ref1 = start1;
+    }
     // The l2-norm reciprocals of four rows at a time as one 16-byte load: the stores below could
     // alias them as far as the compiler knows, so each load waits for the stores before it.
     float4 rq4 = make_float4(1.f, 1.f, 1.f, 1.f), rk4 = rq4;
@@ -177,7 +236,8 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     for (int ii = 0; ii < kSubBlock; ++ii) {
       const int i = row0 + ii;
       const float d0 = G0[ii] - cum0, d1 = G1[ii] - cum1;  // >= 0
-      const float e0 = fast_exp2(d0), e1 = fast_exp2(d1);
+      const float e0 = kGeneral ? fast_exp2(G0[ii] - ref0) : fast_exp2(d0);
+      const float e1 = kGeneral ? fast_exp2(G1[ii] - ref1) : fast_exp2(d1);
       const float f0 = fast_exp2(-d0), f1 = fast_exp2(-d1);
       float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
       if constexpr (kL2Norm) {
@@ -195,11 +255,58 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       st_bf16x2(st.k, off, kv.x * e0, kv.y * e1);
       st_bf16x2(st.g, off, kv.x * f0, kv.y * f1);
     }
+    if constexpr (kGeneral) {
+      // Exact diagonal-block terms of the wide features: q_i k_j exp2(G_i - G_j) and
+      // k_i k_j exp2(G_i - G_j) for j < i (each factor <= 1), summed over the warp's features
+      // (each lane its two, masked to the wide ones) by a shuffle tree; the warp's lane 0 stores
+      // the partial sums. Runs only where some lane of the warp has a wide pair in this block
+      // (extreme decays); compile-time row indices keep G0/G1 and the pairs in registers.
+      const bool w0 = wide[bb][0], w1 = wide[bb][1];
+      if (__any_sync(0xffffffffu, w0 || w1)) {
+        const int lane = tid & 31, warp_of_half = (tid >> 5) & 1;
+        float* cqk = wide_corrections(smem, 2 * h + bb, warp_of_half, 0);
+        float* ckk = wide_corrections(smem, 2 * h + bb, warp_of_half, 1);
+#pragma unroll
+        for (int ii = 1; ii < kSubBlock; ++ii) {
+          const int i = row0 + ii;
+          if (i < rows) {  // uniform
+            const float2 qi = bf16x2_to_float2(qx[ii]), ki = bf16x2_to_float2(kx[ii]);
+            float rq = 1.f, rk = 1.f;
+            if constexpr (kL2Norm) {
+              rq = rnorm[i];
+              rk = rnorm[kChunk + i];
+            }
+#pragma unroll
+            for (int jj = 0; jj < ii; ++jj) {
+              const float2 kj = bf16x2_to_float2(kx[jj]);
+              const float rkj = kL2Norm ? rnorm[kChunk + row0 + jj] : 1.f;
+              const float e0 = w0 ? fast_exp2(G0[ii] - G0[jj]) * kj.x : 0.f;
+              const float e1 = w1 ? fast_exp2(G1[ii] - G1[jj]) * kj.y : 0.f;
+              const float tqk = warp_sum(qi.x * e0 + qi.y * e1) * rq * rkj;
+              const float tkk = warp_sum(ki.x * e0 + ki.y * e1) * rk * rkj;
+              if (lane == 0) {
+                cqk[ii * kSubBlock + jj] = tqk;
+                ckk[ii * kSubBlock + jj] = tkk;
+              }
+            }
+          }
+        }
+      }
+    }
   }
-  // Block-end cumulative decays: the second half adds the first half's total (r_1).
+  // Block-end cumulative decays: the second half adds the first half's total (r_1). General
+  // gates: a_ref (the reference of each block's factors, see above) in absolute terms.
   if (h == 0) {
 #pragma unroll
     for (int bb = 0; bb < 2; ++bb) *reinterpret_cast<float2*>(&st.r_block[bb][col]) = make_float2(rb_local[bb][0], rb_local[bb][1]);
+    if constexpr (kGeneral) {
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        const float s0 = bb ? rb_local[0][0] : 0.f, s1 = bb ? rb_local[0][1] : 0.f;  // the block's start
+        *reinterpret_cast<float2*>(&a_ref[bb][col]) =
+            make_float2(wide[bb][0] ? s0 : rb_local[bb][0], wide[bb][1] ? s1 : rb_local[bb][1]);
+      }
+    }
   }
   named_barrier_sync(NamedBarrierId::kIntra, 128);
   if (h == 1) {
@@ -207,14 +314,26 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
 #pragma unroll
     for (int bb = 0; bb < 2; ++bb)
       *reinterpret_cast<float2*>(&st.r_block[2 + bb][col]) = make_float2(rb_local[bb][0] + off.x, rb_local[bb][1] + off.y);
+    if constexpr (kGeneral) {
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        const float s0 = bb ? rb_local[0][0] + off.x : off.x, s1 = bb ? rb_local[0][1] + off.y : off.y;
+        *reinterpret_cast<float2*>(&a_ref[2 + bb][col]) = make_float2(wide[bb][0] ? s0 : rb_local[bb][0] + off.x,
+                                                                      wide[bb][1] ? s1 : rb_local[bb][1] + off.y);
+      }
+    }
   }
   fence_smem_to_async_proxy();
   named_barrier_sync(NamedBarrierId::kIntra, 128);
 }
 
 // Step 4: A_qk and A_kk accumulators, [bj][8] each (m64n16 fragments).
-__device__ __forceinline__ void intra_attention_matrices(const StageStorage& st, int warp, int lane,
-                                                         float (&aqk)[kNumSubBlocks][8],
+// kGeneral: the row block's reference comes from a_ref (r_w, or r_{w-1} for a wide feature, whose
+// factor for an earlier block bj is then exp2(r_{w-1} - r_bj) <= 1 and whose diagonal-block
+// terms are left to the exact pass: factor 0).
+template <bool kGeneral = false>
+__device__ __forceinline__ void intra_attention_matrices(const StageStorage& st, const float (*a_ref)[kHeadDim],
+                                                         int warp, int lane, float (&aqk)[kNumSubBlocks][8],
                                                          float (&akk)[kNumSubBlocks][8]) {
   const uint32_t q_base = smem_u32(st.q), k_base = smem_u32(st.k), kt_base = smem_u32(st.g);
   const int lm_row = kSubBlock * warp + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -237,8 +356,9 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
 
     // Features of this thread's fragment: c0, c0+1 (regs 0, 1) and c0+8, c0+9 (regs 2, 3).
     const int c0 = ks * 16 + 2 * t4;
-    const float rw0 = st.r_block[warp][c0], rw1 = st.r_block[warp][c0 + 1];
-    const float rw8 = st.r_block[warp][c0 + 8], rw9 = st.r_block[warp][c0 + 9];
+    const float (*ref)[kHeadDim] = kGeneral ? a_ref : st.r_block;
+    const float rw0 = ref[warp][c0], rw1 = ref[warp][c0 + 1];
+    const float rw8 = ref[warp][c0 + 8], rw9 = ref[warp][c0 + 9];
 
     // A operands per column block bj: rescaled by exp2(r_w - r_bj) <= 1 for bj < warp, as loaded
     // for bj == warp, zero for bj > warp. The rescale is one packed bf16x2 multiply per register
@@ -254,7 +374,17 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
         s8 = fast_exp2(rw8 - st.r_block[bj][c0 + 8]);
         s9 = fast_exp2(rw9 - st.r_block[bj][c0 + 9]);
       } else if (bj == warp) {
-        s0 = s1 = s8 = s9 = 1.f;
+        if constexpr (kGeneral) {
+          // Wide features: their reference is not the block's end. Exact float equality is the
+          // test: a_ref and r_block are written from the same expression for a non-wide pair, and
+          // differ by the span (> 100) for a wide one (intra_prepare_operands keeps them so).
+          s0 = rw0 == st.r_block[warp][c0] ? 1.f : 0.f;
+          s1 = rw1 == st.r_block[warp][c0 + 1] ? 1.f : 0.f;
+          s8 = rw8 == st.r_block[warp][c0 + 8] ? 1.f : 0.f;
+          s9 = rw9 == st.r_block[warp][c0 + 9] ? 1.f : 0.f;
+        } else {
+          s0 = s1 = s8 = s9 = 1.f;
+        }
       }
       const uint32_t scale_lo = float2_to_bf16x2(s0, s1), scale_hi = float2_to_bf16x2(s8, s9);
 #pragma unroll
@@ -306,8 +436,8 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
   }
 }
 
-// Steps 1-8 on the stage of one chunk with `rows` valid rows.
-template <bool kGateInKernel, bool kL2Norm>
+// Steps 1-8 on the stage of one chunk with `rows` valid rows (kGeneral: general gates).
+template <bool kGateInKernel, bool kL2Norm, bool kGeneral = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedStorage& smem, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer) {
   const int warp = tid >> 5, lane = tid & 31;
@@ -315,11 +445,12 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
   float* rnorm = reinterpret_cast<float*>(smem.intra_scratch + kRnormOffset);
   float* row_stats = reinterpret_cast<float*>(smem.intra_scratch + kRowStatsOffset);
   float* diag = reinterpret_cast<float*>(smem.intra_scratch + kDiagOffset);
-    intra_prepare_operands<kGateInKernel, kL2Norm>(p, st, rnorm, row_stats, rows, gate_scale, gate_bias, tid);
+    intra_prepare_operands<kGateInKernel, kL2Norm, kGeneral>(p, smem, st, rnorm, row_stats, smem.a_ref, rows,
+                                                             gate_scale, gate_bias, tid);
     timer.mark(1);
 
     float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
-    intra_attention_matrices(st, warp, lane, aqk, akk);
+    intra_attention_matrices<kGeneral>(st, smem.a_ref, warp, lane, aqk, akk);
     timer.mark(2);
 
     // Step 5: masks and beta. A_qk -> stage (bf16, strictly lower: its diagonal is st.aqk_diag);
@@ -328,6 +459,21 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
     const float beta_lo = st.beta[kSubBlock * warp + g4];
     const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
     float a_off[8 * (kNumSubBlocks - 1)];
+    // General gates: the exact diagonal-block terms of the wide features (prep), the two warp
+    // partials added in a fixed order.
+    float corr_qk[2][2][2] = {}, corr_kk[2][2][2] = {};  // [n8][h2][element]
+    if constexpr (kGeneral) {
+#pragma unroll
+      for (int n8 = 0; n8 < 2; ++n8)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int at = (g4 + 8 * h2) * kSubBlock + 8 * n8 + 2 * t4 + e;
+            corr_qk[n8][h2][e] = wide_corrections(smem, warp, 0, 0)[at] + wide_corrections(smem, warp, 1, 0)[at];
+            corr_kk[n8][h2][e] = wide_corrections(smem, warp, 0, 1)[at] + wide_corrections(smem, warp, 1, 1)[at];
+          }
+    }
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
 #pragma unroll
@@ -338,6 +484,14 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
           const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
           const int r = n8 * 4 + h2 * 2;
           const float bi = h2 ? beta_hi : beta_lo;
+          if constexpr (kGeneral) {
+            if (bj == warp) {
+              aqk[bj][r] += corr_qk[n8][h2][0];
+              aqk[bj][r + 1] += corr_qk[n8][h2][1];
+              akk[bj][r] += corr_kk[n8][h2][0];
+              akk[bj][r + 1] += corr_kk[n8][h2][1];
+            }
+          }
           const float q0 = (j < i) ? aqk[bj][r] : 0.f;
           const float q1 = (j + 1 < i) ? aqk[bj][r + 1] : 0.f;
           *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) = float2_to_bf16x2(q0, q1);
@@ -368,7 +522,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) {
         const int b = 2 * h + bb, row0 = kSubBlock * b;
-        const float2 rb = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
+        // exp2 of the block's reference: r_b, or r_{b-1} for a wide feature (general gates).
+        const float2 rb = *reinterpret_cast<const float2*>(kGeneral ? &smem.a_ref[b][2 * cp] : &st.r_block[b][2 * cp]);
         const float s0 = fast_exp2(rb.x), s1 = fast_exp2(rb.y);
         uint32_t qx[kSubBlock], kx[kSubBlock];
         float betas[kSubBlock];  // loaded before the stores (see intra_prepare_operands)
@@ -470,7 +625,7 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
 // kChunkSlots: a helper of the cooperative mode (chunk_workspace.cuh): the producer announces each
 // chunk's row count and value head in its stage (rows -1: none left) instead of the warpgroup
 // walking tiles, and the storer takes the finished stage.
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots>
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, bool kGeneral = false>
 __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kIntra);
@@ -493,7 +648,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           gate_head = v_head;
         }
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kGeneral>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
         fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
       }
       cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer (also the end mark)
@@ -511,7 +666,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         const int rows = tile.chunk_rows(c);
         cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kGeneral>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
         // Step 9: hand the stage to the state warpgroups.
         fence_smem_to_async_proxy();
         cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);

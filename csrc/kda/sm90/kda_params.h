@@ -72,6 +72,10 @@ struct KdaPrefillParams {
   bool beta_sigmoid = false;       // beta holds logits: the kernel applies the sigmoid in fp32
   bool cu_seqlens_is_int64 = false;
   bool state_vk = false;           // state layout: [V, K] per head (true) or [K, V] (false)
+  // General gates (safe_gate=False): log decays may be any value <= 0 (-inf included), so the
+  // kernel checks every (16-row block, feature) span and computes the wide ones exactly.
+  bool general_gates = false;
+  bool gate_softplus = false;      // gate in kernel: -exp(A_log) softplus(g + dt_bias) (general gates only)
 };
 
 }  // namespace cula::kda

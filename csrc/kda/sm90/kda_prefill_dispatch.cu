@@ -178,6 +178,15 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
     kp.coop.sync = static_cast<int*>(p.workspace);
     kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes;  // the stages
     if ((err = cudaMemsetAsync(p.workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
+    if (p.general_gates) {
+      if (p.use_gate_in_kernel)
+        return p.use_qk_l2norm
+                   ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kCooperative, true>(kp, sm_count, stream)
+                   : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kCooperative, true>(kp, sm_count, stream);
+      return p.use_qk_l2norm
+                 ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kCooperative, true>(kp, sm_count, stream)
+                 : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kCooperative, true>(kp, sm_count, stream);
+    }
     if (p.use_gate_in_kernel)
       return p.use_qk_l2norm
                  ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream)
@@ -199,6 +208,16 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   const bool force_index = schedule != nullptr && std::strcmp(schedule, "index") == 0;
   const bool force_longest_first = schedule != nullptr && std::strcmp(schedule, "longest_first") == 0;
   const bool short_sequences = tokens < int64_t(sm90::kLongestFirstMaxMeanTokens) * p.num_seqs;
+  // General gates: index order only (their instantiations; one more template axis would double
+  // the longest-first ones for batches of short sequences).
+  if (p.general_gates) {
+    const int grid = int(std::min<int64_t>(num_tiles, INT_MAX));
+    if (p.use_gate_in_kernel)
+      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kFused, true>(kp, grid, stream)
+                             : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kFused, true>(kp, grid, stream);
+    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kFused, true>(kp, grid, stream)
+                           : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kFused, true>(kp, grid, stream);
+  }
   const bool longest_first = !force_index && num_tiles > sm_count && num_tiles <= INT_MAX &&
                              p.num_seqs <= sm90::kSortMaxSeqs && (short_sequences || force_longest_first);
   if (longest_first) {

@@ -31,7 +31,7 @@ constexpr uint32_t kIntraRegs = 168;
 constexpr uint32_t kStateRegs = 160;
 static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "register budget of one SM");
 
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass>
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, bool kGeneral>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
   static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the cooperative mode uses index order for its owners");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -90,11 +90,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     if constexpr (kCoop) {
       if (helper) {
         cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-        run_intra_chunk<kGateInKernel, kL2Norm, false, true>(kp, smem);
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kGeneral>(kp, smem);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-      run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false>(kp, smem);
+      run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, kGeneral>(kp, smem);
     }
   } else if (helper) {
     if constexpr (kCoop) {

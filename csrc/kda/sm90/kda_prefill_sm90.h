@@ -25,8 +25,9 @@ const char* kda_prefill_sm90_last_error();
 namespace sm90 {
 struct KdaKernelParams;
 enum class KernelPass : int;
-// One per file under instantiations/ (kda_prefill_launch.cuh).
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass>
+// One per file under instantiations/ (kda_prefill_launch.cuh). kGeneral: general gates
+// (safe_gate=False), index order and cooperative mode only.
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, bool kGeneral = false>
 cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream);
 }  // namespace sm90
 

@@ -81,6 +81,8 @@ struct alignas(1024) SharedStorage {
 
   // Intra-chunk scratch (single-buffered: only the intra warpgroup touches it).
   alignas(1024) uint8_t inverse_operand[kTileBytes];  // B operands of the inverse's products (tf32)
+  // General gates: each (block, feature)'s factor reference, r_b or r_{b-1} (intra_chunk_math.cuh).
+  float a_ref[kNumSubBlocks][kHeadDim];
   alignas(1024) uint8_t intra_scratch[8192];           // see the offsets below
 
   // State warpgroups: one half of the value dimension each.
