@@ -7,7 +7,9 @@
 # on the development machine with
 #   git archive <branch> csrc CMakeLists.txt | tar -x -C .scratch/<name>
 # (and carried to the GPU machine). Builds every tree's `kda_standalone` in parallel
-# (build/ab-NAME), then times each shape on every tree in turn, ROUNDS times, so that clock and
+# (build/ab-NAME); a DIR that already holds an executable `kda_standalone` (with its
+# libcula_kda_sm90.so beside it, e.g. built on the development machine with CMake and carried) is
+# used as it is, which saves the GPU machine the compile. Then times each shape on every tree in turn, ROUNDS times, so that clock and
 # thermal drift spread over all trees alike, and prints one median per (tree, shape).
 #
 # Env: SHAPES (";"-separated "B T H HV ITERS", default: the few-tile and fused target rows),
@@ -27,11 +29,19 @@ GEN=""
 command -v ninja >/dev/null && GEN="-G Ninja"
 
 names=()
+declare -A bin libdir
 for spec in "$@"; do
   name=${spec%%=*}
   dir=${spec#*=}
-  [[ -f "$dir/CMakeLists.txt" ]] || { echo "ab_standalone: $dir has no CMakeLists.txt" >&2; exit 2; }
   names+=("$name")
+  if [[ -x "$dir/kda_standalone" ]]; then  # prebuilt
+    bin[$name]="$dir/kda_standalone"
+    libdir[$name]="$dir"
+    continue
+  fi
+  [[ -f "$dir/CMakeLists.txt" ]] || { echo "ab_standalone: $dir has no CMakeLists.txt or kda_standalone" >&2; exit 2; }
+  bin[$name]="build/ab-$name/kda_standalone"
+  libdir[$name]="build/ab-$name"
   # shellcheck disable=SC2086
   (cmake -S "$dir" -B "build/ab-$name" $GEN -DPython3_EXECUTABLE="$(command -v python3)" >/dev/null &&
     cmake --build "build/ab-$name" -j"$JOBS" >"build/ab-$name.log" 2>&1 &&
@@ -39,7 +49,7 @@ for spec in "$@"; do
 done
 wait
 for name in "${names[@]}"; do
-  [[ -x "build/ab-$name/kda_standalone" ]] || { echo "ab_standalone: $name did not build (build/ab-$name.log)" >&2; exit 1; }
+  [[ -x "${bin[$name]}" ]] || { echo "ab_standalone: $name did not build (build/ab-$name.log)" >&2; exit 1; }
 done
 
 IFS=';' read -r -a shape_list <<<"$SHAPES"
@@ -50,7 +60,8 @@ for ((round = 0; round < ROUNDS; ++round)); do
     for setting in "${env_list[@]}"; do
       for name in "${names[@]}"; do
         # shellcheck disable=SC2086
-        line=$(env $setting "build/ab-$name/kda_standalone" $shape 2>&1 | tail -1 || true)
+        line=$(env LD_LIBRARY_PATH="${libdir[$name]}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" $setting \
+          "${bin[$name]}" $shape 2>&1 | tail -1 || true)
         ms=$(sed -n 's/.*median \([0-9.]*\) ms.*/\1/p' <<<"$line")
         key="$name|$setting|$shape"
         times[$key]="${times[$key]:-} ${ms:-nan}"
