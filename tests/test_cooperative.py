@@ -7,9 +7,10 @@ recurrence on them. ``CULA_KDA_COOPERATIVE=0`` / ``=1`` forces the fused kernel 
 mode (read per call), so every case here runs both:
 
 * each against the fp32 recurrence (the numerics contract, as in ``test_sm90.py``);
-* cooperative against fused **bitwise**: the state warpgroups consume byte copies of the stages
-  the fused kernel would have handed over, so any difference is a bug (a chunk at the wrong slot,
-  a missing, stale or early-read stage), not rounding.
+* cooperative against fused within ``MODE_RTOL``: the state warpgroups consume copies of the
+  stages the fused kernel would have handed over, except that the helpers fold the block decays
+  into KT (one more bf16 rounding) so that the owners update the state in one batch; a chunk at
+  the wrong slot or a stale stage is off by O(1).
 
 Cases: sequences shorter than one chunk, lengths on and off chunk edges, one head (131 helpers on
 one tile), varlen mixes of long, short, length-1 and empty sequences with initial states, both
@@ -37,6 +38,15 @@ CASES = [
 ]
 
 
+#: Cooperative vs fused (both also within the contract of the fp32 recurrence).
+MODE_RTOL = 2e-3
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def _run(inp: dict, cooperative: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", cooperative)
     return run_sm90(inp)
@@ -49,8 +59,8 @@ def test_cooperative_matches_fused_and_reference(spec: Spec, seed: int, monkeypa
     o_fused, s_fused = _run(inp, "0", monkeypatch)
     o, s = _run(inp, "1", monkeypatch)
     compare_to_reference(spec, inp, o, s, what=f"{spec.id} cooperative")
-    assert torch.equal(o, o_fused), f"o: cooperative and fused differ, max {(o.float() - o_fused.float()).abs().max()}"
-    assert torch.equal(s, s_fused), f"state: cooperative and fused differ, max {(s - s_fused).abs().max()}"
+    assert _rel(o, o_fused) <= MODE_RTOL, f"o: cooperative vs fused {_rel(o, o_fused):.2e}"
+    assert _rel(s, s_fused) <= MODE_RTOL, f"state: cooperative vs fused {_rel(s, s_fused):.2e}"
 
 
 @gpu_sm90
@@ -65,7 +75,7 @@ def test_long_sequence_with_initial_state(seed: int, monkeypatch):
 @gpu_sm90
 def test_cooperative_is_the_default_for_few_tiles(seed: int, monkeypatch):
     """Without the variable, a call with few tiles takes the cooperative mode: bitwise the forced
-    one (and the forced fused kernel)."""
+    one."""
     spec = Spec(B=1, T=700, H=2, HV=4, h0=True)
     inp = make_inputs(spec)
     o_forced, s_forced = _run(inp, "1", monkeypatch)

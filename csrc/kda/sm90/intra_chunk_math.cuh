@@ -437,7 +437,11 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 }
 
 // Steps 1-8 on the stage of one chunk with `rows` valid rows (kGeneral: general gates).
-template <bool kGateInKernel, bool kL2Norm, bool kGeneral = false>
+// kFoldDecay (cooperative helpers): step 6 also rescales KT to KT' = k exp2(G_last - G) =
+// KT exp2(r_3 - r_b) (both factors <= 1, for general gates too: KT is referenced to the block end
+// either way), so that the owner's state update is one batch of products instead of four Horner
+// steps (state_math.cuh).
+template <bool kGateInKernel, bool kL2Norm, bool kGeneral = false, bool kFoldDecay = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedStorage& smem, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer) {
   const int warp = tid >> 5, lane = tid & 31;
@@ -531,6 +535,18 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
         for (int ii = 0; ii < kSubBlock; ++ii) {
           qx[ii] = ld_bf16x2(st.q, addr(row0 + ii));
           kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
+        }
+        if constexpr (kFoldDecay) {  // KT' = KT exp2(r_3 - r_b): both factors <= 1
+          const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
+          const float f0 = fast_exp2(r3.x - rb.x), f1 = fast_exp2(r3.y - rb.y);
+          uint32_t gx[kSubBlock];
+#pragma unroll
+          for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));
+#pragma unroll
+          for (int ii = 0; ii < kSubBlock; ++ii) {
+            const float2 kt = bf16x2_to_float2(gx[ii]);
+            st_bf16x2(st.g, addr(row0 + ii), kt.x * f0, kt.y * f1);
+          }
         }
 #pragma unroll
         for (int x = 0; x < kSubBlock / 4; ++x) {
@@ -648,7 +664,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           gate_head = v_head;
         }
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kGeneral>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kGeneral, true>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
         fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
       }
       cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer (also the end mark)

@@ -129,45 +129,70 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       }
       wgmma_commit();
 
-      // (e) State update in Horner form over the four 16-row blocks.
       const uint32_t kt_base = smem_u32(st.g);
-      float r_prev[2][2], f[2][2];
+      if constexpr (kFromWorkspace) {
+        // (e') The helper folded the block decays into KT (KT' = k exp2(G_last - G) <= 1): the
+        // update is S = diag(exp2(G_last)) S + KT'^T v_new, one batch over the four blocks.
+        float f[2][2];
 #pragma unroll
-      for (int mh = 0; mh < 2; ++mh)
+        for (int mh = 0; mh < 2; ++mh)
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
-          r_prev[mh][h2] = st.r_block[0][kk];
-          f[mh][h2] = fast_exp2(r_prev[mh][h2]);
-        }
-      scale_state_rows(S, f);
-#pragma unroll
-      for (int b = 0; b < kNumSubBlocks; ++b) {
-        if (b > 0) {
-          wgmma_wait<0>();
-          fence_accumulators(S.acc[0]);
-          fence_accumulators(S.acc[1]);
-#pragma unroll
-          for (int mh = 0; mh < 2; ++mh)
-#pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-              const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
-              const float r = st.r_block[b][kk];
-              f[mh][h2] = fast_exp2(r - r_prev[mh][h2]);
-              r_prev[mh][h2] = r;
-            }
-          scale_state_rows(S, f);
-        }
+          for (int h2 = 0; h2 < 2; ++h2)
+            f[mh][h2] = fast_exp2(st.r_block[kNumSubBlocks - 1][64 * mh + kSubBlock * warp + g4 + 8 * h2]);
+        scale_state_rows(S, f);
         fence_accumulators(S.acc[0]);
         fence_accumulators(S.acc[1]);
         wgmma_fence();
-        const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
 #pragma unroll
-        for (int mh = 0; mh < 2; ++mh) {
-          const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
-          wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
+        for (int b = 0; b < kNumSubBlocks; ++b) {
+          const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
+#pragma unroll
+          for (int mh = 0; mh < 2; ++mh) {
+            const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
+            wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
+          }
         }
         wgmma_commit();
+      } else {
+        // (e) State update in Horner form over the four 16-row blocks.
+        float r_prev[2][2], f[2][2];
+#pragma unroll
+        for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+            r_prev[mh][h2] = st.r_block[0][kk];
+            f[mh][h2] = fast_exp2(r_prev[mh][h2]);
+          }
+        scale_state_rows(S, f);
+#pragma unroll
+        for (int b = 0; b < kNumSubBlocks; ++b) {
+          if (b > 0) {
+            wgmma_wait<0>();
+            fence_accumulators(S.acc[0]);
+            fence_accumulators(S.acc[1]);
+#pragma unroll
+            for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+              for (int h2 = 0; h2 < 2; ++h2) {
+                const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+                const float r = st.r_block[b][kk];
+                f[mh][h2] = fast_exp2(r - r_prev[mh][h2]);
+                r_prev[mh][h2] = r;
+              }
+            scale_state_rows(S, f);
+          }
+          fence_accumulators(S.acc[0]);
+          fence_accumulators(S.acc[1]);
+          wgmma_fence();
+          const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
+#pragma unroll
+          for (int mh = 0; mh < 2; ++mh) {
+            const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
+            wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
+          }
+          wgmma_commit();
+        }
       }
       wgmma_wait<0>();
       fence_accumulators(S.acc[0]);
