@@ -13,9 +13,12 @@ Importing :mod:`cula.kda` registers cula there when fla-core is installed (:func
   extension is (:func:`cula.kernels_available`).
 * The verifier accepts exactly the calls the fused SM90 kernel serves: gradients off
   (``torch.inference_mode()`` or ``torch.no_grad()``), q/k/v/g bfloat16 with K = V = 128 on a
-  Hopper GPU, any GVA ratio (HV a multiple of H), any gate: the in-kernel gate in either form
-  (``lower_bound``, or the softplus form without it), precomputed decays, with ``safe_gate`` True
-  (the caller's promise that decays lie in [-5, 0)) or False (the kernel's general-gate path),
+  Hopper GPU, any GVA ratio (HV a multiple of H), the in-kernel gate with ``lower_bound`` in
+  [-5, 0) (``safe_gate`` True or False: the bound keeps every decay in range), or precomputed
+  decays with ``safe_gate=True`` (the caller's promise that they lie in [-5, 0)). Unbounded
+  decays (``safe_gate=False`` otherwise: the softplus gate, decays below -5) are rejected with
+  ``UNBOUNDED_GATES_REASON``: :func:`cula.kda.kda_prefill` runs them exactly, but slower than
+  FLA's Triton path today, so FLA keeps them,
   beta as probabilities or as logits (``use_beta_sigmoid_in_kernel=True``), either state layout
   (``state_v_first``), ``cu_seqlens`` (int32 or int64). It runs the same validation as
   :func:`cula.kda.kda_prefill` (one rule per argument, in :mod:`cula.kda.prefill`), so its
@@ -58,6 +61,12 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 BACKEND_TYPE = "cula"
+# Unbounded decays (safe_gate=False without a lower_bound in [-5, 0)) run exactly on cula's
+# general-gate path, but when most 16-token blocks span more than the factorised exponentials
+# allow (softplus gates), that path measured ~4.5x the safe-gate time on an H100
+# (docs/perf-notes.md): slower than FLA's own Triton path, so FLA keeps those calls.
+UNBOUNDED_GATES_REASON = ("safe_gate=False with unbounded decays (no lower_bound in [-5, 0)): cula's "
+                          "general-gate path is exact but slower than FLA's Triton path there")
 ENV_VAR = "FLA_CULA"
 #: FLA asks backends lowest priority first; FlashKDA registers with 3.
 PRIORITY = 2
@@ -193,9 +202,11 @@ def verify_chunk_kda(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
                        "or torch.no_grad()")
     try:
         mapped = to_kda_prefill(args, kwargs)
-        _prefill._plan(**mapped, backend="sm90")
+        plan = _prefill._plan(**mapped, backend="sm90")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as exc:
         return False, _reason(exc)
+    if not plan.bounded_decays:
+        return False, UNBOUNDED_GATES_REASON
     return True, None
 
 

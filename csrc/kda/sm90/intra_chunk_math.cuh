@@ -537,8 +537,11 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
           kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
         }
         if constexpr (kFoldDecay) {  // KT' = KT exp2(r_3 - r_b): both factors <= 1
+          // KT is referenced to the block end r_b for every feature, also a wide one under general
+          // gates (whose QG/KG reference `rb` above is r_{b-1} instead): so r_b from r_block here.
           const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
-          const float f0 = fast_exp2(r3.x - rb.x), f1 = fast_exp2(r3.y - rb.y);
+          const float2 rend = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
+          const float f0 = fast_exp2(r3.x - rend.x), f1 = fast_exp2(r3.y - rend.y);
           uint32_t gx[kSubBlock];
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));
