@@ -15,7 +15,9 @@
 # Env: SHAPES (";"-separated "B T H HV ITERS", default: the few-tile and fused target rows),
 #      ROUNDS (default 2), JOBS (parallel compile jobs per tree, default 16 / number of trees),
 #      ENVS (";"-separated environment settings to cross with the trees, e.g.
-#            "CULA_KDA_COOPERATIVE=0;CULA_KDA_COOPERATIVE=1"; default: one empty setting).
+#            "CULA_KDA_COOPERATIVE=0;CULA_KDA_COOPERATIVE=1"; default: one empty setting),
+#      RUN_TIMEOUT (seconds per run, default 60: a run past it is reported as "hung" and that
+#            tree is not run again; every run's result goes to stderr as it comes).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -25,6 +27,7 @@ ROUNDS=${ROUNDS:-2}
 JOBS=${JOBS:-$((16 / $#))}
 ((JOBS > 0)) || JOBS=1
 ENVS=${ENVS:-""}
+RUN_TIMEOUT=${RUN_TIMEOUT:-60}
 GEN=""
 command -v ninja >/dev/null && GEN="-G Ninja"
 
@@ -54,18 +57,30 @@ done
 
 IFS=';' read -r -a shape_list <<<"$SHAPES"
 IFS=';' read -r -a env_list <<<"${ENVS:- }"
-declare -A times
+declare -A times hung
 for ((round = 0; round < ROUNDS; ++round)); do
   for shape in "${shape_list[@]}"; do
     for setting in "${env_list[@]}"; do
       for name in "${names[@]}"; do
         # shellcheck disable=SC2086
-        line=$(env LD_LIBRARY_PATH="${libdir[$name]}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" $setting \
-          "${bin[$name]}" $shape 2>&1 | tail -1 || true)
-        ms=$(sed -n 's/.*median \([0-9.]*\) ms.*/\1/p' <<<"$line")
         key="$name|$setting|$shape"
+        if [[ -n "${hung[$name]:-}" ]]; then  # a tree that hung once is not run again
+          times[$key]="${times[$key]:-} hung"
+          continue
+        fi
+        # shellcheck disable=SC2086
+        line=$(env LD_LIBRARY_PATH="${libdir[$name]}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" $setting \
+          timeout "$RUN_TIMEOUT" "${bin[$name]}" $shape 2>&1 | tail -1; echo "rc=${PIPESTATUS[0]}")
+        rc=${line##*rc=}
+        line=${line%rc=*}
+        line=${line%$'\n'}
+        ms=$(sed -n 's/.*median \([0-9.]*\) ms.*/\1/p' <<<"$line")
+        if ((rc == 124)); then
+          hung[$name]=1
+          ms=hung
+        fi
         times[$key]="${times[$key]:-} ${ms:-nan}"
-        [[ -n "$ms" ]] || echo "ab_standalone: $name $setting $shape: $line" >&2
+        echo "ab_standalone: round $round $name ${setting:--} [$shape]: ${ms:-nan}${line:+ ($line)}" >&2
       done
     done
   done
