@@ -264,30 +264,64 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       const bool w0 = wide[bb][0], w1 = wide[bb][1];
       if (__any_sync(0xffffffffu, w0 || w1)) {
         const int lane = tid & 31, warp_of_half = (tid >> 5) & 1;
-        float* cqk = wide_corrections(smem, 2 * h + bb, warp_of_half, 0);
-        float* ckk = wide_corrections(smem, 2 * h + bb, warp_of_half, 1);
+        // Rows a and b = 16 - a share one vector of 32 terms per lane: slots x < a hold row a's
+        // A_qk terms j = x, slots a <= x < 16 row b's terms j = x - a (a + b = 16), slots 16 + x
+        // the same for A_kk. One reduce-scatter over the warp (five halving steps, 31 shuffles,
+        // independent within a step) leaves lane l with the warp's sum of slot l; eight of them
+        // cover the block's 120 (i, j) pairs (instead of a 5-step shuffle tree per pair and
+        // matrix: 1200 shuffles in dependent chains). A fixed order: deterministic.
 #pragma unroll
-        for (int ii = 1; ii < kSubBlock; ++ii) {
-          const int i = row0 + ii;
-          if (i < rows) {  // uniform
-            const float2 qi = bf16x2_to_float2(qx[ii]), ki = bf16x2_to_float2(kx[ii]);
-            float rq = 1.f, rk = 1.f;
-            if constexpr (kL2Norm) {
-              rq = rnorm[i];
-              rk = rnorm[kChunk + i];
-            }
+        for (int a = 1; a <= kSubBlock / 2; ++a) {
+          const int b = kSubBlock - a;
+          // The first two halving steps (A_qk slots against A_kk slots, lanes 16 apart; then slots
+          // 8 apart) are taken as the terms are made, so only 8 partial sums are live per lane.
+          const bool kk_half = (lane & kSubBlock) != 0;
+          float t[kSubBlock / 2];
+          const float2 qa = bf16x2_to_float2(qx[a]), ka = bf16x2_to_float2(kx[a]);
+          const float2 qb = bf16x2_to_float2(qx[b]), kb = bf16x2_to_float2(kx[b]);
 #pragma unroll
-            for (int jj = 0; jj < ii; ++jj) {
+          for (int x = 0; x < kSubBlock; ++x) {
+            const bool row_a = x < a;
+            float tqk = 0.f, tkk = 0.f;
+            if (row_a || a != kSubBlock / 2) {  // row 8 pairs with itself: its half only
+              const int ii = row_a ? a : b, jj = row_a ? x : x - a;
+              const float2 qi = row_a ? qa : qb, ki = row_a ? ka : kb;
               const float2 kj = bf16x2_to_float2(kx[jj]);
-              const float rkj = kL2Norm ? rnorm[kChunk + row0 + jj] : 1.f;
               const float e0 = w0 ? fast_exp2(G0[ii] - G0[jj]) * kj.x : 0.f;
               const float e1 = w1 ? fast_exp2(G1[ii] - G1[jj]) * kj.y : 0.f;
-              const float tqk = warp_sum(qi.x * e0 + qi.y * e1) * rq * rkj;
-              const float tkk = warp_sum(ki.x * e0 + ki.y * e1) * rk * rkj;
-              if (lane == 0) {
-                cqk[ii * kSubBlock + jj] = tqk;
-                ckk[ii * kSubBlock + jj] = tkk;
-              }
+              tqk = qi.x * e0 + qi.y * e1;
+              tkk = ki.x * e0 + ki.y * e1;
+            }
+            const float v = (kk_half ? tkk : tqk) + __shfl_xor_sync(0xffffffffu, kk_half ? tqk : tkk, kSubBlock);
+            if (x < kSubBlock / 2) {
+              t[x] = v;
+            } else {  // the second step (slots 8 apart) as soon as both slots exist: 8 live sums
+              const bool upper = (lane & (kSubBlock / 2)) != 0;
+              const int y = x - kSubBlock / 2;
+              const float keep = upper ? v : t[y], give = upper ? t[y] : v;
+              t[y] = keep + __shfl_xor_sync(0xffffffffu, give, kSubBlock / 2);
+            }
+          }
+#pragma unroll
+          for (int step = 2; step < 5; ++step) {
+            const int o = kSubBlock >> step;  // 4, 2, 1 (a counted loop: fully unrolled)
+            const bool upper = (lane & o) != 0;
+#pragma unroll
+            for (int x = 0; x < o; ++x) {
+              const float keep = upper ? t[o + x] : t[x];
+              const float give = upper ? t[x] : t[o + x];
+              t[x] = keep + __shfl_xor_sync(0xffffffffu, give, o);
+            }
+          }
+          const int x = lane & (kSubBlock - 1), which = lane >> 4;  // which: 0 A_qk, 1 A_kk
+          const bool row_a = x < a;
+          if (row_a || a != kSubBlock / 2) {
+            const int ii = row_a ? a : b, jj = row_a ? x : x - a;
+            const int i = row0 + ii;
+            if (i < rows) {
+              float scale = 1.f;
+              if constexpr (kL2Norm) scale = rnorm[which ? kChunk + i : i] * rnorm[kChunk + row0 + jj];
+              wide_corrections(smem, 2 * h + bb, warp_of_half, which)[ii * kSubBlock + jj] = t[0] * scale;
             }
           }
         }
