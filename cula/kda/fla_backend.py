@@ -63,8 +63,8 @@ _log = logging.getLogger(__name__)
 BACKEND_TYPE = "cula"
 # Unbounded decays (safe_gate=False without a lower_bound in [-5, 0)) run exactly on cula's
 # general-gate path, but when most 16-token blocks span more than the factorised exponentials
-# allow (softplus gates), that path measured ~4.5x the safe-gate time on an H100
-# (docs/perf-notes.md): slower than FLA's own Triton path, so FLA keeps those calls.
+# allow (softplus gates), that path measured 2.6-3.3x the safe-gate time on an H100, and 0.94x
+# FLA's own Triton path at B=2 T=8192 H=64 (docs/perf-notes.md), so FLA keeps those calls.
 UNBOUNDED_GATES_REASON = ("safe_gate=False with unbounded decays (no lower_bound in [-5, 0)): cula's "
                           "general-gate path is exact but slower than FLA's Triton path there")
 ENV_VAR = "FLA_CULA"
