@@ -43,8 +43,8 @@ constexpr float kGateFloorLog2 = -200.f;
 constexpr float kWideSpanLog2 = 100.f;
 
 // Exact diagonal-block terms of wide features (general gates): each of the two warps that hold a
-// block's rows sums its 32 lanes' features with a fixed shuffle tree and stores its partial sums
-// (no atomics: the result does not depend on timing); step 5 adds the two partials in a fixed
+// block's rows sums its 32 lanes' features with a warp reduce-scatter in a fixed order and stores
+// its partial sums (no atomics: the result does not depend on timing); step 5 adds the two partials in a fixed
 // order. float [4 blocks][2 warps][2 (A_qk, A_kk)][16][16] = 16 KB in the inverse's operand
 // buffer, which is free from the prep until step 7 (its last reader, the previous chunk's
 // inverse, waited for its WGMMAs).
@@ -53,11 +53,6 @@ __device__ __forceinline__ float* wide_corrections(SharedStorage& smem, int bloc
 }
 static_assert(4 * 2 * 2 * 256 * 4 == kTileBytes, "the corrections fill the inverse's operand buffer");
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
-  return x;
-}
 
 // Addressing of the feature pair (2 cp, 2 cp + 1) of a 64x128 bf16 tile, for the passes that give
 // each thread two adjacent features of one half of the chunk's rows.
@@ -258,8 +253,8 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     if constexpr (kGeneral) {
       // Exact diagonal-block terms of the wide features: q_i k_j exp2(G_i - G_j) and
       // k_i k_j exp2(G_i - G_j) for j < i (each factor <= 1), summed over the warp's features
-      // (each lane its two, masked to the wide ones) by a shuffle tree; the warp's lane 0 stores
-      // the partial sums. Runs only where some lane of the warp has a wide pair in this block
+      // (each lane its two, masked to the wide ones) by the reduce-scatter below; each lane stores
+      // the sum it ends with. Runs only where some lane of the warp has a wide pair in this block
       // (extreme decays); compile-time row indices keep G0/G1 and the pairs in registers.
       const bool w0 = wide[bb][0], w1 = wide[bb][1];
       if (__any_sync(0xffffffffu, w0 || w1)) {
