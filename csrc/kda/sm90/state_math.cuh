@@ -129,7 +129,16 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       }
       wgmma_commit();
 
+      // S += KT_b^T v_new_b for the 16-row block b (both 64-row halves of S).
       const uint32_t kt_base = smem_u32(st.g);
+      const auto update_block = [&](int b) {
+        const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
+#pragma unroll
+        for (int mh = 0; mh < 2; ++mh) {
+          const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
+          wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
+        }
+      };
       if constexpr (kFromWorkspace) {
         // (e') The helper folded the block decays into KT (KT' = k exp2(G_last - G) <= 1): the
         // update is S = diag(exp2(G_last)) S + KT'^T v_new, one batch over the four blocks.
@@ -144,14 +153,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
         fence_accumulators(S.acc[1]);
         wgmma_fence();
 #pragma unroll
-        for (int b = 0; b < kNumSubBlocks; ++b) {
-          const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
-#pragma unroll
-          for (int mh = 0; mh < 2; ++mh) {
-            const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
-            wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
-          }
-        }
+        for (int b = 0; b < kNumSubBlocks; ++b) update_block(b);
         wgmma_commit();
       } else {
         // (e) State update in Horner form over the four 16-row blocks.
@@ -185,12 +187,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
           fence_accumulators(S.acc[0]);
           fence_accumulators(S.acc[1]);
           wgmma_fence();
-          const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
-#pragma unroll
-          for (int mh = 0; mh < 2; ++mh) {
-            const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
-            wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
-          }
+          update_block(b);
           wgmma_commit();
         }
       }
