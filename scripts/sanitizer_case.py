@@ -14,7 +14,8 @@ GPU cu_seqlens holding bad values (decreasing, negative, past the end of the tok
 kernel must clamp to [0, T] without touching memory outside its tensors (memcheck is the check);
 finally two configurations and the bad cu_seqlens again in the cooperative mode
 (CULA_KDA_COOPERATIVE=1: helper CTAs compute the chunks and hand them to the tile owners through a
-global workspace).
+global workspace), with one owner per tile and with two (CULA_KDA_VALUE_SPLIT=2: each owner on
+half of the value columns).
 Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the GPU work that
 the sanitizer instruments is the copies and the kernel itself.
 
@@ -172,6 +173,11 @@ def main() -> int:
     print("sanitizer_case: CULA_KDA_COOPERATIVE=1", flush=True)
     results += [run_one(*cfg) for cfg in CONFIGS[:2]]
     results.append(run_bad_cu_seqlens())
+    os.environ["CULA_KDA_VALUE_SPLIT"] = "2"
+    print("sanitizer_case: CULA_KDA_COOPERATIVE=1 CULA_KDA_VALUE_SPLIT=2", flush=True)
+    results += [run_one(*cfg) for cfg in CONFIGS[:2]]
+    results.append(run_bad_cu_seqlens())
+    del os.environ["CULA_KDA_VALUE_SPLIT"]
     del os.environ["CULA_KDA_COOPERATIVE"]
     print(f"sanitizer_case: {sum(results)}/{len(results)} calls matched the reference", flush=True)
     return 0 if all(results) else 1

@@ -196,8 +196,17 @@ def test_cula_schedule_rule():
 
 
 def test_cula_cooperative_rule():
-    """Few tiles (at most 0.4 x the SMs) with at least four chunks of tokens: cooperative."""
-    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="") == "cooperative"
+    """Few tiles (at most 0.4 x the SMs) with at least four chunks of tokens: cooperative; at
+    most SMs / 8 tiles: two owners per tile (value split)."""
+    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="") == "cooperative-split"
+    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="",
+                         value_split="1") == "cooperative"
+    assert cula_schedule(Config("fixed", 1, 8192, 16, 16), 132, forced="", cooperative="") == "cooperative-split"
+    assert cula_schedule(Config("fixed", 1, 8192, 17, 17), 132, forced="", cooperative="") == "cooperative"
+    assert cula_schedule(Config("fixed", 1, 8192, 52, 52), 132, forced="", cooperative="",
+                         value_split="2") == "cooperative-split"
+    assert cula_schedule(Config("fixed", 1, 8192, 66, 66), 132, forced="", cooperative="1",
+                         value_split="2") == "cooperative"  # two owners per tile would leave no helper
     assert cula_schedule(Config("fixed", 1, 8192, 52, 52), 132, forced="", cooperative="") == "cooperative"
     assert cula_schedule(Config("fixed", 1, 8192, 53, 53), 132, forced="", cooperative="") == "index"
     assert cula_schedule(Config("fixed", 1, 8192, 64, 64), 132, forced="", cooperative="") == "index"
@@ -207,7 +216,7 @@ def test_cula_cooperative_rule():
     assert cula_schedule(Config("fixed", 2, 8192, 66, 66), 132, forced="", cooperative="1") == "index"
     # the workspace (one 73.5 KiB stage per chunk and head) past 4 GiB: fused
     assert cula_schedule(Config("small", 1, 2 ** 20, 8, 8), 132, forced="", cooperative="") == "index"
-    assert cula_schedule(Config("small", 1, 2 ** 18, 8, 8), 132, forced="", cooperative="") == "cooperative"
+    assert cula_schedule(Config("small", 1, 2 ** 18, 8, 8), 132, forced="", cooperative="") == "cooperative-split"
 
 
 def _fake_flash_kda_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,

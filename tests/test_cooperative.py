@@ -12,6 +12,9 @@ mode (read per call), so every case here runs both:
   into KT (one more bf16 rounding) so that the owners update the state in one batch; a chunk at
   the wrong slot or a stale stage is off by O(1).
 
+Every case runs with one owner per tile and with two (``CULA_KDA_VALUE_SPLIT``: each owner on half
+of the value columns, the default for at most SMs / 8 tiles).
+
 Cases: sequences shorter than one chunk, lengths on and off chunk edges, one head (131 helpers on
 one tile), varlen mixes of long, short, length-1 and empty sequences with initial states, both
 state layouts, GVA, precomputed gates, bf16 beta, T = 65536 with an initial state; also the
@@ -47,29 +50,50 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def _run(inp: dict, cooperative: str, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(inp: dict, cooperative: str, monkeypatch, value_split: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", cooperative)
+    if value_split is None:
+        monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
+    else:
+        monkeypatch.setenv("CULA_KDA_VALUE_SPLIT", value_split)
     return run_sm90(inp)
 
 
+#: ``CULA_KDA_VALUE_SPLIT``: one owner per tile, or two (each on half of the value columns).
+SPLITS = [pytest.param("1", id="one_owner"), pytest.param("2", id="two_owners")]
+
+
 @gpu_sm90
+@pytest.mark.parametrize("value_split", SPLITS)
 @pytest.mark.parametrize("spec", [pytest.param(s, id=s.id) for s in CASES])
-def test_cooperative_matches_fused_and_reference(spec: Spec, seed: int, monkeypatch):
+def test_cooperative_matches_fused_and_reference(spec: Spec, value_split: str, seed: int, monkeypatch):
     inp = make_inputs(spec)
     o_fused, s_fused = _run(inp, "0", monkeypatch)
-    o, s = _run(inp, "1", monkeypatch)
-    compare_to_reference(spec, inp, o, s, what=f"{spec.id} cooperative")
+    o, s = _run(inp, "1", monkeypatch, value_split)
+    compare_to_reference(spec, inp, o, s, what=f"{spec.id} cooperative, value split {value_split}")
     assert _rel(o, o_fused) <= MODE_RTOL, f"o: cooperative vs fused {_rel(o, o_fused):.2e}"
     assert _rel(s, s_fused) <= MODE_RTOL, f"state: cooperative vs fused {_rel(s, s_fused):.2e}"
 
 
 @gpu_sm90
-def test_long_sequence_with_initial_state(seed: int, monkeypatch):
-    """T = 65536 on one head: 1024 chunks computed by 131 helpers, 1024 steps of recurrence."""
+def test_value_split_is_bitwise_one_owner(seed: int, monkeypatch):
+    """Two owners per tile run the same arithmetic on the same published stages as one: each value
+    column's results are bitwise those of the single owner (columns never mix)."""
+    spec = varlen("split", [2000, 1, 0, 700], H=2, HV=4, h0=True, layout="vk")
+    inp = make_inputs(spec)
+    o1, s1 = _run(inp, "1", monkeypatch, "1")
+    o2, s2 = _run(inp, "1", monkeypatch, "2")
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+
+
+@gpu_sm90
+@pytest.mark.parametrize("value_split", SPLITS)
+def test_long_sequence_with_initial_state(value_split: str, seed: int, monkeypatch):
+    """T = 65536 on one head: 1024 chunks computed by 130-131 helpers, 1024 steps of recurrence."""
     spec = Spec(B=1, T=65536, H=1, HV=1, h0=True, layout="kv")
     inp = make_inputs(spec)
-    o, fs = _run(inp, "1", monkeypatch)
-    compare_to_reference(spec, inp, o, fs, what=f"{spec.id} cooperative")
+    o, fs = _run(inp, "1", monkeypatch, value_split)
+    compare_to_reference(spec, inp, o, fs, what=f"{spec.id} cooperative, value split {value_split}")
 
 
 @gpu_sm90
@@ -78,19 +102,21 @@ def test_cooperative_is_the_default_for_few_tiles(seed: int, monkeypatch):
     one."""
     spec = Spec(B=1, T=700, H=2, HV=4, h0=True)
     inp = make_inputs(spec)
-    o_forced, s_forced = _run(inp, "1", monkeypatch)
+    o_forced, s_forced = _run(inp, "1", monkeypatch, "2")  # 8 tiles <= SMs / 8: two owners each
     monkeypatch.delenv("CULA_KDA_COOPERATIVE")
+    monkeypatch.delenv("CULA_KDA_VALUE_SPLIT")
     o_auto, s_auto = run_sm90(inp)
     assert torch.equal(o_auto, o_forced) and torch.equal(s_auto, s_forced)
 
 
 @gpu_sm90
-def test_deterministic(seed: int, monkeypatch):
+@pytest.mark.parametrize("value_split", SPLITS)
+def test_deterministic(value_split: str, seed: int, monkeypatch):
     spec = varlen("det", [1500, 3, 700], H=2, HV=4, h0=True)
     inp = make_inputs(spec)
-    o1, s1 = _run(inp, "1", monkeypatch)
+    o1, s1 = _run(inp, "1", monkeypatch, value_split)
     for _ in range(3):
-        o2, s2 = _run(inp, "1", monkeypatch)
+        o2, s2 = _run(inp, "1", monkeypatch, value_split)
         assert torch.equal(o1, o2) and torch.equal(s1, s2)
 
 
@@ -99,6 +125,7 @@ def test_cuda_graph(seed: int, monkeypatch):
     """Captured with its workspace from the graph's pool; a replay on new inputs written in place
     equals the eager call on them."""
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
+    monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)  # 6 tiles: two owners each
     spec = varlen("graph", [900, 64, 1], H=2, HV=4, h0=True)
     inp = make_inputs(spec)
     run_sm90(inp)  # warm-up outside the capture

@@ -18,24 +18,29 @@ SORT_MAX_SEQS = 4096
 LONGEST_FIRST_MAX_MEAN_TOKENS = 320
 SCHEDULE_ENV = "CULA_KDA_SCHEDULE"
 COOPERATIVE_ENV = "CULA_KDA_COOPERATIVE"
+VALUE_SPLIT_ENV = "CULA_KDA_VALUE_SPLIT"
 CHUNK = 64
 WORKSPACE_STAGE_BYTES = 75264          # kWorkspaceStageBytes (shared_storage.cuh)
 MAX_COOPERATIVE_WORKSPACE_BYTES = 4 << 30  # kMaxCooperativeWorkspaceBytes (kda_prefill_dispatch.cu)
 
 
 def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
-                  cooperative: str | None = None) -> str:
+                  cooperative: str | None = None, value_split: str | None = None) -> str:
     """The launch cula's dispatch picks: "cooperative" (one CTA per SM, the CTAs without a tile
     compute chunks for the tile owners) when the (sequence, value head) tiles number at most
     0.4 x the SMs and there are at least four chunks of tokens (or ``CULA_KDA_COOPERATIVE=1``,
     with fewer tiles than SMs; ``=0`` never); else "longest-first" (persistent CTAs) when there are
     more tiles than SMs and the mean sequence is short (or ``CULA_KDA_SCHEDULE=longest_first``);
-    else "index" (one CTA per tile). ``forced`` / ``cooperative``: the values of those variables
-    (read from the environment when None)."""
+    else "index" (one CTA per tile). A cooperative launch with two owners per tile (each on half
+    of the value columns: at most SMs / 8 tiles, or ``CULA_KDA_VALUE_SPLIT=2`` while two owners
+    per tile leave a helper; ``=1`` never) is "cooperative-split". ``forced`` / ``cooperative`` /
+    ``value_split``: the values of those variables (read from the environment when None)."""
     if forced is None:
         forced = os.environ.get(SCHEDULE_ENV)
     if cooperative is None:
         cooperative = os.environ.get(COOPERATIVE_ENV)
+    if value_split is None:
+        value_split = os.environ.get(VALUE_SPLIT_ENV)
     tiles = cfg.N * cfg.HV
     tokens = cfg.B * cfg.T
     coop = 5 * tiles <= 2 * sm_count and tokens >= 4 * CHUNK
@@ -45,7 +50,12 @@ def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
     elif cooperative == "1":
         coop = True
     if coop and tokens > 0 and tiles < sm_count and workspace <= MAX_COOPERATIVE_WORKSPACE_BYTES:
-        return "cooperative"
+        split = 8 * tiles <= sm_count
+        if value_split == "1":
+            split = False
+        elif value_split == "2":
+            split = True
+        return "cooperative-split" if split and 2 * tiles < sm_count else "cooperative"
     short = cfg.B * cfg.T < LONGEST_FIRST_MAX_MEAN_TOKENS * cfg.N
     longest_first = (forced != "index" and tiles > sm_count and cfg.N <= SORT_MAX_SEQS
                      and (short or forced == "longest_first"))

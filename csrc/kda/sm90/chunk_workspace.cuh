@@ -56,8 +56,8 @@ __device__ __forceinline__ int* claim_counter(const KdaKernelParams& kp, int til
 __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
-  const int tiles = kp.coop.owners;
-  const int first_tile = (int(blockIdx.x) - tiles) % tiles;
+  const int tiles = kp.coop.tiles;
+  const int first_tile = (int(blockIdx.x) - kp.coop.owners) % tiles;
   PipelineState pipe;
   if (lane == 0) {  // the mode runs only with tokens, so the descriptors exist
     cute::prefetch_tma_descriptor(&kp.tma_q);
@@ -120,12 +120,13 @@ __device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, 
 
 // Owner producer (one warp): the tile's finished stages, in chunk order, into the ring, each once
 // its flag is set (acquire; then a proxy fence, since the bulk copy reads in the async proxy).
+// With a value split both owners of a tile read every stage whole.
 // The state warpgroups wait on `full` directly.
 __device__ __forceinline__ void run_workspace_loader(const KdaKernelParams& kp, SharedStorage& smem) {
   const int lane = threadIdx.x & 31;
   PipelineState pipe;
   TileCursor cursor;
-  for (WorkTile tile; next_tile</*kLongestFirst=*/false, /*kIsProducer=*/true>(kp, smem, cursor, tile);) {
+  for (WorkTile tile; next_tile</*kLongestFirst=*/false, /*kIsProducer=*/true, /*kOwner=*/true>(kp, smem, cursor, tile);) {
     const int64_t first = first_chunk_slot(tile);
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];

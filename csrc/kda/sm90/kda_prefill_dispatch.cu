@@ -97,7 +97,20 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
     return plan;
   plan.cooperative = true;
   plan.coop.slots_per_head = slots;
-  plan.coop.owners = int(num_tiles);
+  plan.coop.tiles = int(num_tiles);
+  // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
+  // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a
+  // chunk in ~12-13 us and the owner's chain takes ~2.6 us per chunk (docs/perf-notes.md), so a
+  // tile needs ~5 helpers to keep one owner busy and more for a faster one: split when the
+  // helpers left number at least 6 per tile (tiles <= SMs / 8). CULA_KDA_VALUE_SPLIT=1 / =2 (read
+  // per call) forces either (2: while two owners per tile leave at least one helper).
+  int split = num_tiles * 8 <= sm_count ? 2 : 1;
+  const char* split_env = std::getenv("CULA_KDA_VALUE_SPLIT");
+  if (split_env != nullptr && std::strcmp(split_env, "1") == 0) split = 1;
+  if (split_env != nullptr && std::strcmp(split_env, "2") == 0) split = 2;
+  if (2 * num_tiles >= sm_count) split = 1;
+  plan.coop.value_split = split;
+  plan.coop.owners = int(num_tiles) * split;
   plan.stage_bytes = size_t(slots) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
   const size_t ints = size_t(slots) * size_t(p.num_v_heads) + size_t(num_tiles);
   plan.sync_bytes = (ints * sizeof(int) + 1023) / 1024 * 1024;

@@ -9,10 +9,11 @@
 // producer). setmaxnreg moves registers from the producer to the math warpgroups.
 //
 // The cooperative mode (few tiles; kernel_params.cuh: KernelPass) launches the same kernel with one
-// CTA per SM: in the tile owners (blockIdx.x < tiles) warpgroup 0's producer reads finished stages
-// from the workspace (full -> state directly), warpgroups 2 and 3 run as above, and warpgroup 1
-// exits at once; in the helpers, warpgroup 0's producer claims chunks, warpgroup 1 runs as above,
-// and one thread of warpgroup 2 (the storer) publishes each finished stage to the workspace
+// CTA per SM: in the tile owners (blockIdx.x < owners) warpgroup 0's producer reads finished stages
+// from the workspace (full -> state directly), warpgroups 2 and 3 run as above (with a value
+// split, two owners per tile, each running only its half's warpgroup), and warpgroup 1 exits at
+// once; in the helpers, warpgroup 0's producer claims chunks, warpgroup 1 runs as above, and one
+// thread of warpgroup 2 (the storer) publishes each finished stage to the workspace
 // (chunk_workspace.cuh); the rest of warpgroups 2 and 3 exits at once.
 #pragma once
 
@@ -52,8 +53,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 32);  // the producer warp's lanes
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
-      // Released by both state warpgroups, or in a cooperative helper by the storer thread.
-      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : 256);
+      // Released by both state warpgroups, in a cooperative helper by the storer thread, in an
+      // owner of half a tile (value split) by its one state warpgroup.
+      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : (kCoop && kp.coop.value_split == 2) ? 128 : 256);
     }
     if constexpr (kLongestFirst) {
 #pragma unroll
@@ -101,8 +103,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       if (threadIdx.x == first_thread(WarpgroupRole::kState0)) run_workspace_storer(kp, smem);
     }
   } else {  // kState0, kState1: one half of the value columns each
+    const int half = int(role) - int(WarpgroupRole::kState0);
+    // An owner of half a tile (value split: owners 2t and 2t + 1) runs only that half's warpgroup.
+    if (kCoop && kp.coop.value_split == 2 && half != int(blockIdx.x) % 2) return;
     cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-    run_state_warpgroup<kLongestFirst, kCoop>(kp, smem, int(role) - int(WarpgroupRole::kState0));
+    run_state_warpgroup<kLongestFirst, kCoop>(kp, smem, half);
   }
 #endif
 }

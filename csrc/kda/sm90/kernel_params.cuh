@@ -41,10 +41,18 @@ enum class KernelPass : int { kFused = 0, kCooperative = 1 };
 // slots of consecutive sequences never overlap (floor(t0' / 64) + 1 >= floor(t0 / 64) +
 // ceil(len / 64) for t0' = t0 + len), and every slot is below ceil(T / 64) + N whatever the
 // (clamped) cu_seqlens values are. `sync` (zeroed before each launch) holds a published flag per
-// (value head, slot), [HV][slots_per_head], then a claim counter per tile, [owners].
+// (value head, slot), [HV][slots_per_head], then a claim counter per tile, [tiles].
+//
+// Value split: the state's value columns never mix, so a tile may have two owners, CTAs 2t and
+// 2t + 1, each running one state warpgroup on its half of the columns (the other exits) on the
+// same published stages. Each owner then issues half of the tile's tensor-core work per chunk, so
+// the state chain, which sets the pace once a tile has enough helpers, gets shorter; the price is
+// a second read of each stage (from L2) and one SM per tile fewer among the helpers.
 struct CooperativePlan {
   int64_t slots_per_head = 0;  // ceil(tokens / 64) + N
-  int owners = 0;              // tiles: CTAs [0, owners) own one each; 0 in the fused kernel
+  int tiles = 0;               // (sequence, value head) tiles; 0 in the fused kernel
+  int value_split = 1;         // owners per tile: 1, or 2 (one state warpgroup each)
+  int owners = 0;              // tiles x value_split: CTAs [0, owners) own a tile (or a half of one)
   int* sync = nullptr;
 };
 

@@ -51,7 +51,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   timer.start();
 
   TileCursor cursor;
-  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
+  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false, kFromWorkspace>(kp, smem, cursor, tile);) {
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
 
@@ -221,7 +221,12 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     // The slot again rather than kept in registers across the chunk loop.
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
   }
-  zero_uncovered_rows(p, tid + 128 * half, kp.coop.owners > 0 ? kp.coop.owners : int(gridDim.x));
+  // The zeroing's CTAs are the state CTAs with both halves: with a value split, the tile's two
+  // owners (one half each) stand for one.
+  if constexpr (kFromWorkspace)
+    zero_uncovered_rows(p, int(blockIdx.x) / kp.coop.value_split, tid + 128 * half, kp.coop.tiles);
+  else
+    zero_uncovered_rows(p, int(blockIdx.x), tid + 128 * half, int(gridDim.x));
   timer.report(half ? "state1: wait s2smem P vnew O+S store" : "state0: wait s2smem P vnew O+S store", tid);
 }
 

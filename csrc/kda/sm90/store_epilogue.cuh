@@ -133,12 +133,13 @@ __device__ __forceinline__ void store_final_state(const KdaPrefillParams& p, con
 // stores, `thread` in [0, 256), CTAs interleaved.
 constexpr int kZeroTailCtas = 512;
 
-// `state_ctas`: the CTAs whose state warpgroups run this (blockIdx.x below it): the grid, or in
-// the cooperative mode the tile owners.
-__device__ __forceinline__ void zero_uncovered_rows(const KdaPrefillParams& p, int thread, int state_ctas) {
+// `state_ctas`: the CTAs whose state warpgroups run this, `cta` in [0, state_ctas): the grid, or
+// in the cooperative mode the tiles (with a value split, the two owners of a tile are one `cta`,
+// each bringing its warpgroup's 128 threads).
+__device__ __forceinline__ void zero_uncovered_rows(const KdaPrefillParams& p, int cta, int thread, int state_ctas) {
   if (p.cu_seqlens == nullptr) return;
   const int ctas = min(state_ctas, kZeroTailCtas);
-  if (int(blockIdx.x) >= ctas) return;
+  if (cta >= ctas) return;
   const int total = p.seqlen;
   auto clamped = [&](int n) { return int(min(max(cu_seqlens_at(p, n), int64_t(0)), int64_t(total))); };
   const int first = clamped(0), last = clamped(p.num_seqs);
@@ -156,7 +157,7 @@ __device__ __forceinline__ void zero_uncovered_rows(const KdaPrefillParams& p, i
   const int64_t units = head_units + int64_t(total - hi) * units_per_row; // + rows [hi, T)
   const int64_t skip = int64_t(hi - lo) * units_per_row;
   uint4* base = static_cast<uint4*>(p.o);
-  for (int64_t u = int64_t(blockIdx.x) * 256 + thread; u < units; u += int64_t(ctas) * 256)
+  for (int64_t u = int64_t(cta) * 256 + thread; u < units; u += int64_t(ctas) * 256)
     base[u < head_units ? u : u + skip] = make_uint4(0u, 0u, 0u, 0u);
 }
 

@@ -135,13 +135,16 @@ struct TileCursor {
   int k = 0;  // tiles of this CTA so far
 };
 
-template <bool kLongestFirst, bool kIsProducer>
+// kOwner: a tile owner of the cooperative mode, whose tile is its CTA index divided by the value
+// split (kernel_params.cuh: CooperativePlan); it has that one tile.
+template <bool kLongestFirst, bool kIsProducer, bool kOwner = false>
 __device__ __forceinline__ bool next_tile(const KdaKernelParams& kp, SharedStorage& smem, TileCursor& cursor,
                                           WorkTile& tile) {
   const KdaPrefillParams& p = kp.problem;
   const int num_tiles = p.num_seqs * p.num_v_heads;
   if constexpr (!kLongestFirst) {
-    const int r = int(blockIdx.x) + cursor.k++ * int(gridDim.x);
+    const int first = kOwner ? int(blockIdx.x) / kp.coop.value_split : int(blockIdx.x);
+    const int r = first + cursor.k++ * int(gridDim.x);
     if (r >= num_tiles) return false;
     const int seq = r / p.num_v_heads;
     static_cast<TileInfo&>(tile) = make_tile(p, seq, r - seq * p.num_v_heads);
