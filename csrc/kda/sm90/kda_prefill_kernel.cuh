@@ -21,6 +21,7 @@
 #include "intra_chunk_math.cuh"
 #include "kernel_params.cuh"
 #include "load_producer.cuh"
+#include "owner_state_math.cuh"
 #include "shared_storage.cuh"
 #include "state_math.cuh"
 
@@ -31,6 +32,10 @@ constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kIntraRegs = 168;
 constexpr uint32_t kStateRegs = 160;
 static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "register budget of one SM");
+// Cooperative tile owners (owner_state_math.cuh): no intra-chunk work, so its warpgroup drops to
+// kProducerRegs and the state warpgroups take the rest.
+constexpr uint32_t kOwnerStateRegs = 232;
+static_assert(2 * kProducerRegs + 2 * kOwnerStateRegs <= 65536 / 128, "register budget of an owner CTA");
 
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, bool kGeneral>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
@@ -93,6 +98,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       if (helper) {
         cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
         run_intra_chunk<kGateInKernel, kL2Norm, false, true, kGeneral>(kp, smem);
+      } else {
+        cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();  // for the owner's state warpgroups
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
@@ -106,8 +113,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     const int half = int(role) - int(WarpgroupRole::kState0);
     // An owner of half a tile (value split: owners 2t and 2t + 1) runs only that half's warpgroup.
     if (kCoop && kp.coop.value_split == 2 && half != int(blockIdx.x) % 2) return;
-    cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-    run_state_warpgroup<kLongestFirst, kCoop>(kp, smem, half);
+    if constexpr (kCoop) {
+      cutlass::arch::warpgroup_reg_alloc<kOwnerStateRegs>();
+      run_owner_state_warpgroup(kp, smem, half);
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
+      run_state_warpgroup<kLongestFirst>(kp, smem, half);
+    }
   }
 #endif
 }

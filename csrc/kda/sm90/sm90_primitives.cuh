@@ -104,8 +104,9 @@ template <int N, Major MajorB>
 __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N / 2], bool accumulate) {
   using namespace cute::SM90::GMMA;
   using Atom = std::conditional_t<N == 16, MMA_64x16x16_F32BF16BF16_RS<Major::K, MajorB>,
-                                  MMA_64x128x16_F32BF16BF16_RS<Major::K, MajorB>>;
-  static_assert(N == 16 || N == 128, "unsupported WGMMA N");
+               std::conditional_t<N == 64, MMA_64x64x16_F32BF16BF16_RS<Major::K, MajorB>,
+                                  MMA_64x128x16_F32BF16BF16_RS<Major::K, MajorB>>>;
+  static_assert(N == 16 || N == 64 || N == 128, "unsupported WGMMA N");
   detail::gmma_rs<Atom>(a, desc_b, d, accumulate ? ScaleOut::One : ScaleOut::Zero, std::make_index_sequence<N / 2>{});
 }
 __device__ __forceinline__ void wgmma_rs_n16(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[8], bool accumulate) {
@@ -142,6 +143,22 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// The same four 8x8 matrices, transposed: lane (g4, t4) gets elements (2 t4, g4) and (2 t4 + 1, g4)
+// of each matrix as stored, i.e. the accumulator-layout pair (g4, 2 t4 .. +1) of its transpose.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// Stores four 8x8 matrices given in accumulator layout (lane (g4, t4) holds row g4, columns
+// 2 t4 .. +1 of each), transposed: row j of what lands in memory is column j of the matrix. Lanes
+// 8 m .. 8 m + 7 give the addresses of the rows of matrix m.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 
 __device__ __forceinline__ float2 bf16x2_to_float2(uint32_t v) {

@@ -34,9 +34,8 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
       }
 }
 
-// kFromWorkspace: a tile owner of the cooperative mode, whose stages arrive finished from the
-// workspace (chunk_workspace.cuh): the wait is on `full` rather than on the intra warpgroup.
-template <bool kLongestFirst, bool kFromWorkspace>
+// The fused kernel's state warpgroups (the cooperative mode's owners: owner_state_math.cuh).
+template <bool kLongestFirst>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
@@ -51,14 +50,13 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   timer.start();
 
   TileCursor cursor;
-  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false, kFromWorkspace>(kp, smem, cursor, tile);) {
+  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
 
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
-      cutlass::arch::ClusterBarrier::wait(kFromWorkspace ? &smem.full_bar[pipe.stage] : &smem.ready_bar[pipe.stage],
-                                          pipe.phase);
+      cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
       timer.mark(0);
 
       // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], MN-major B operand.
@@ -139,57 +137,39 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
           wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
         }
       };
-      if constexpr (kFromWorkspace) {
-        // (e') The helper folded the block decays into KT (KT' = k exp2(G_last - G) <= 1): the
-        // update is S = diag(exp2(G_last)) S + KT'^T v_new, one batch over the four blocks.
-        float f[2][2];
+      // (e) State update in Horner form over the four 16-row blocks.
+      float r_prev[2][2], f[2][2];
 #pragma unroll
-        for (int mh = 0; mh < 2; ++mh)
+      for (int mh = 0; mh < 2; ++mh)
 #pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2)
-            f[mh][h2] = fast_exp2(st.r_block[kNumSubBlocks - 1][64 * mh + kSubBlock * warp + g4 + 8 * h2]);
-        scale_state_rows(S, f);
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+          r_prev[mh][h2] = st.r_block[0][kk];
+          f[mh][h2] = fast_exp2(r_prev[mh][h2]);
+        }
+      scale_state_rows(S, f);
+#pragma unroll
+      for (int b = 0; b < kNumSubBlocks; ++b) {
+        if (b > 0) {
+          wgmma_wait<0>();
+          fence_accumulators(S.acc[0]);
+          fence_accumulators(S.acc[1]);
+#pragma unroll
+          for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+              const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+              const float r = st.r_block[b][kk];
+              f[mh][h2] = fast_exp2(r - r_prev[mh][h2]);
+              r_prev[mh][h2] = r;
+            }
+          scale_state_rows(S, f);
+        }
         fence_accumulators(S.acc[0]);
         fence_accumulators(S.acc[1]);
         wgmma_fence();
-#pragma unroll
-        for (int b = 0; b < kNumSubBlocks; ++b) update_block(b);
+        update_block(b);
         wgmma_commit();
-      } else {
-        // (e) State update in Horner form over the four 16-row blocks.
-        float r_prev[2][2], f[2][2];
-#pragma unroll
-        for (int mh = 0; mh < 2; ++mh)
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
-            r_prev[mh][h2] = st.r_block[0][kk];
-            f[mh][h2] = fast_exp2(r_prev[mh][h2]);
-          }
-        scale_state_rows(S, f);
-#pragma unroll
-        for (int b = 0; b < kNumSubBlocks; ++b) {
-          if (b > 0) {
-            wgmma_wait<0>();
-            fence_accumulators(S.acc[0]);
-            fence_accumulators(S.acc[1]);
-#pragma unroll
-            for (int mh = 0; mh < 2; ++mh)
-#pragma unroll
-              for (int h2 = 0; h2 < 2; ++h2) {
-                const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
-                const float r = st.r_block[b][kk];
-                f[mh][h2] = fast_exp2(r - r_prev[mh][h2]);
-                r_prev[mh][h2] = r;
-              }
-            scale_state_rows(S, f);
-          }
-          fence_accumulators(S.acc[0]);
-          fence_accumulators(S.acc[1]);
-          wgmma_fence();
-          update_block(b);
-          wgmma_commit();
-        }
       }
       wgmma_wait<0>();
       fence_accumulators(S.acc[0]);
@@ -221,12 +201,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     // The slot again rather than kept in registers across the chunk loop.
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
   }
-  // The zeroing's CTAs are the state CTAs with both halves: with a value split, the tile's two
-  // owners (one half each) stand for one.
-  if constexpr (kFromWorkspace)
-    zero_uncovered_rows(p, int(blockIdx.x) / kp.coop.value_split, tid + 128 * half, kp.coop.tiles);
-  else
-    zero_uncovered_rows(p, int(blockIdx.x), tid + 128 * half, int(gridDim.x));
+  zero_uncovered_rows(p, int(blockIdx.x), tid + 128 * half, int(gridDim.x));
   timer.report(half ? "state1: wait s2smem P vnew O+S store" : "state0: wait s2smem P vnew O+S store", tid);
 }
 

@@ -161,6 +161,25 @@ __device__ __forceinline__ void zero_uncovered_rows(const KdaPrefillParams& p, i
     base[u < head_units ? u : u + skip] = make_uint4(0u, 0u, 0u, 0u);
 }
 
+// The staged o tile [64 rows x 64 value columns of this half, bf16, SW128] -> the rows of o that
+// belong to the sequence, as 16-byte stores (after a barrier over the warpgroup's staging writes).
+__device__ __forceinline__ void write_output_rows(const KdaPrefillParams& p, const WorkTile& tile, int chunk,
+                                                  const uint8_t* staging, int half, int tid) {
+  const int rows = tile.chunk_rows(chunk);
+  const int64_t token0 = tile.token0 + int64_t(chunk) * kChunk;
+  __nv_bfloat16* o_base = static_cast<__nv_bfloat16*>(p.o);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int q = tid + 128 * s;
+    const int i = q >> 3, x = q & 7;
+    if (i < rows) {
+      const uint4 val = *reinterpret_cast<const uint4*>(staging + sw128_chunk_offset(i, x));
+      const int64_t idx = ((token0 + i) * p.num_v_heads + tile.v_head) * kHeadDim + 64 * half + 8 * x;
+      *reinterpret_cast<uint4*>(o_base + idx) = val;
+    }
+  }
+}
+
 // o tile [64 rows x 64 value columns of this half]: scale, round to bf16, stage in shared memory
 // (SW128 layout, conflict-free), then 16-byte stores of the rows that belong to the sequence.
 __device__ __forceinline__ void store_output_tile(const KdaPrefillParams& p, const WorkTile& tile, int chunk,
@@ -178,19 +197,7 @@ __device__ __forceinline__ void store_output_tile(const KdaPrefillParams& p, con
     }
   }
   named_barrier_sync(bar, 128);
-  const int rows = tile.chunk_rows(chunk);
-  const int64_t token0 = tile.token0 + int64_t(chunk) * kChunk;
-  __nv_bfloat16* o_base = static_cast<__nv_bfloat16*>(p.o);
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const int q = tid + 128 * s;
-    const int i = q >> 3, x = q & 7;
-    if (i < rows) {
-      const uint4 val = *reinterpret_cast<const uint4*>(staging + sw128_chunk_offset(i, x));
-      const int64_t idx = ((token0 + i) * p.num_v_heads + tile.v_head) * kHeadDim + 64 * half + 8 * x;
-      *reinterpret_cast<uint4*>(o_base + idx) = val;
-    }
-  }
+  write_output_rows(p, tile, chunk, staging, half, tid);
   named_barrier_sync(bar, 128);  // staging is reused as the S operand of the next chunk
 }
 

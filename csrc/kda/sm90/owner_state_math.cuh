@@ -1,0 +1,263 @@
+// Tile owners of the cooperative mode: the recurrence on finished stages, in transposed form.
+//
+// An owner's chunk time is the state chain alone (the helpers have done the chunk-local work), so
+// every step of it counts. The fused kernel's state warpgroups (state_math.cuh) keep S [K, V] as
+// the accumulator and feed it to the tensor cores as a B operand, which costs per chunk a round
+// trip of S through shared memory (a bf16 copy, a proxy fence, a barrier) and another of v_new.
+// Here the warpgroup keeps the transpose, S^T [V = its 64 value columns, K = 128], as the
+// accumulator of an m64n128 product. An accumulator's register layout is also the layout of a
+// WGMMA A operand from registers (rows 16 w + g4 (+8), columns 2 t4 (+1) of each 8-column group),
+// so every product of the chunk takes S^T or v_new^T straight from registers:
+//
+//   (a) S^T -> bf16 A fragments (8 k-steps over K); then S^T *= diag(exp2(G_last)) in place
+//   (b) P^T = S^T W^T                   [64 v x 64 c]   B = W (K-major)         8 WGMMA, N = 64
+//   (c) v_new^T = U^T - P^T            U^T by ldmatrix.trans from the stage's U tile -> bf16 A fragments
+//   (d) O^T = S^T QG^T + v_new^T A_qk^T [64 v x 64 i]   B = QG, A_qk (K-major)  12 WGMMA, N = 64
+//       (the S^T QG^T part issued right after (b), so it runs while v_new is formed)
+//   (e) S^T += v_new^T KT'             [64 v x 128 k]  B = KT' (MN-major)      4 WGMMA, N = 128
+//       (KT' = k exp2(G_last - G) <= 1: the helper folded the block decays into KT)
+//   (d') O^T += v_new^T diag(A_qk) in fp32 (the bf16 A_qk tile has zeros on its diagonal)
+//   (f) o = scale O -> staging by stmatrix.trans (rows i, columns v) -> 16-byte global stores
+//
+// Same operands and the same bf16 rounding points as the fused state warpgroups, so the results
+// match the fused kernel's within the cooperative tests' tolerance; the one barrier per chunk left
+// is the output staging's (two staging buffers alternate, so no second barrier is needed).
+// Registers: S^T (64) + its fragments (32) + P^T (32) + O^T (32) + v_new^T fragments (16) live
+// at once, more than the fused state warpgroups' 160; an owner CTA has no intra-chunk work, so its
+// intra warpgroup gives its registers back and the state warpgroups take kOwnerStateRegs.
+#pragma once
+
+#include "kernel_params.cuh"
+#include "shared_storage.cuh"
+#include "sm90_primitives.cuh"
+#include "store_epilogue.cuh"
+#include "tile_scheduler.cuh"
+
+namespace cula::kda::sm90 {
+
+// S^T in registers: thread (warp w, lane) holds, for n8 in 0..15, h2 in {0, 1}, e in {0, 1},
+//   St[n8 * 4 + h2 * 2 + e] = S[k = 8 n8 + 2 (lane % 4) + e][v = 64 half + 16 w + lane / 4 + 8 h2].
+template <bool kLoad, typename Elem>
+__device__ __forceinline__ void transposed_state_io(const KdaPrefillParams& p, Elem* gmem, float (&St)[64], int half,
+                                                    int warp, int lane) {
+  const int g4 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int n8 = 0; n8 < 16; ++n8)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int vv = 64 * half + kSubBlock * warp + g4 + 8 * h2;
+      const int kk = 8 * n8 + 2 * t4;
+      float& x0 = St[n8 * 4 + h2 * 2];
+      float& x1 = St[n8 * 4 + h2 * 2 + 1];
+      if (p.state_vk) {  // [V, K]: (vv, kk) and (vv, kk + 1) are adjacent
+        Elem* ptr = gmem + vv * kHeadDim + kk;
+        if constexpr (std::is_same_v<Elem, float>) {
+          if constexpr (kLoad) {
+            const float2 v = *reinterpret_cast<const float2*>(ptr);
+            x0 = v.x;
+            x1 = v.y;
+          } else {
+            *reinterpret_cast<float2*>(ptr) = make_float2(x0, x1);
+          }
+        } else {
+          if constexpr (kLoad) {
+            const float2 v = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(ptr));
+            x0 = v.x;
+            x1 = v.y;
+          } else {
+            *reinterpret_cast<uint32_t*>(ptr) = float2_to_bf16x2(x0, x1);
+          }
+        }
+      } else {  // [K, V]
+        Elem* p0 = gmem + kk * kHeadDim + vv;
+        Elem* p1 = gmem + (kk + 1) * kHeadDim + vv;
+        if constexpr (kLoad) {
+          x0 = float(*p0);
+          x1 = float(*p1);
+        } else {
+          *p0 = Elem(x0);
+          *p1 = Elem(x1);
+        }
+      }
+    }
+}
+
+__device__ __forceinline__ void load_initial_state_transposed(const KdaPrefillParams& p, const StateSlot& slot,
+                                                              float (&St)[64], int half, int warp, int lane) {
+  if (!slot.read) {
+#pragma unroll
+    for (int r = 0; r < 64; ++r) St[r] = 0.f;
+    return;
+  }
+  if (p.initial_state_is_bf16)
+    transposed_state_io<true>(
+        p, const_cast<__nv_bfloat16*>(static_cast<const __nv_bfloat16*>(p.initial_state)) + slot.offset, St, half,
+        warp, lane);
+  else
+    transposed_state_io<true>(p, const_cast<float*>(static_cast<const float*>(p.initial_state)) + slot.offset, St,
+                              half, warp, lane);
+}
+
+__device__ __forceinline__ void store_final_state_transposed(const KdaPrefillParams& p, const StateSlot& slot,
+                                                             float (&St)[64], int half, int warp, int lane) {
+  if (p.final_state == nullptr || slot.pad) return;
+  if (p.final_state_is_bf16)
+    transposed_state_io<false>(p, static_cast<__nv_bfloat16*>(p.final_state) + slot.offset, St, half, warp, lane);
+  else
+    transposed_state_io<false>(p, static_cast<float*>(p.final_state) + slot.offset, St, half, warp, lane);
+}
+
+// A fragment r (0..3) of k-step ks from an accumulator-layout array: elements 8 ks + 2 r (+1),
+// i.e. row 16 w + g4 + 8 (r & 1), columns 16 ks + 8 (r >> 1) + 2 t4 (+1).
+template <int N>
+__device__ __forceinline__ void accumulator_to_fragments(const float (&acc)[N], uint32_t (&frag)[N / 8][4]) {
+#pragma unroll
+  for (int ks = 0; ks < N / 8; ++ks)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) frag[ks][r] = float2_to_bf16x2(acc[8 * ks + 2 * r], acc[8 * ks + 2 * r + 1]);
+}
+
+__device__ __forceinline__ void run_owner_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
+  const KdaPrefillParams& p = kp.problem;
+  const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int t4 = lane & 3;
+  const NamedBarrierId bar = half ? NamedBarrierId::kState1 : NamedBarrierId::kState0;
+  // Two o staging buffers of 8 KB (64 rows x 64 columns, SW128), alternating by chunk.
+  uint8_t* const staging = smem.state_bf16[half];
+  static_assert(sizeof(SharedStorage::state_bf16[0]) >= 2 * kBoxBytes, "two staging buffers per warpgroup");
+  PipelineState pipe;
+  PhaseTimer timer;
+  timer.start();
+
+  TileCursor cursor;
+  for (WorkTile tile; next_tile</*kLongestFirst=*/false, /*kIsProducer=*/false, /*kOwner=*/true>(kp, smem, cursor, tile);) {
+    float St[64];
+    load_initial_state_transposed(p, state_slot(p, tile), St, half, warp, lane);
+
+    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
+      StageStorage& st = smem.stage[pipe.stage];
+      cutlass::arch::ClusterBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+      timer.mark(0);
+
+      // (a) S^T as bf16 A fragments, then (while (b) runs) the decay of the whole chunk applied
+      // to the fp32 accumulator: column k of S^T times exp2(G_last[k]).
+      uint32_t sa[8][4];
+      accumulator_to_fragments(St, sa);
+      const uint32_t w_base = smem_u32(st.k), qg_base = smem_u32(st.q);
+      float Pt[32];
+#pragma unroll
+      for (int r = 0; r < 32; ++r) Pt[r] = 0.f;
+      float Ot[32];
+#pragma unroll
+      for (int r = 0; r < 32; ++r) Ot[r] = 0.f;
+      fence_accumulators(Pt);
+      fence_accumulators(Ot);
+      wgmma_fence();
+      // (b) P^T = S^T W^T: k-step ks covers features 16 ks .. 16 ks + 15 (box ks / 4 of W's rows).
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        wgmma_rs<64, Major::K>(sa[ks], desc_k_major(w_base + (ks >> 2) * kBoxBytes + (ks & 3) * 32), Pt, true);
+      wgmma_commit();
+      // (d, first part) O^T = S^T QG^T, its own batch: runs while v_new is formed.
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks)
+        wgmma_rs<64, Major::K>(sa[ks], desc_k_major(qg_base + (ks >> 2) * kBoxBytes + (ks & 3) * 32), Ot, true);
+      wgmma_commit();
+#pragma unroll
+      for (int n8 = 0; n8 < 16; ++n8) {
+        const float2 r = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][8 * n8 + 2 * t4]);
+        const float f0 = fast_exp2(r.x), f1 = fast_exp2(r.y);
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          St[n8 * 4 + h2 * 2] *= f0;
+          St[n8 * 4 + h2 * 2 + 1] *= f1;
+        }
+      }
+      wgmma_wait<1>();  // P^T done (the O^T batch may still run)
+      fence_accumulators(Pt);
+      timer.mark(1);
+
+      // (c) v_new^T = U^T - P^T. U is the stage's [64 c, 128 v] tile; this half's columns are box
+      // `half`. ldmatrix.trans of the 8x8 block (rows c0.., columns v0..) gives the accumulator
+      // pair (v0 + g4, c0 + 2 t4 .. +1) of U^T: for k-step ks and fragment r, v0 = 16 w + 8 (r & 1),
+      // c0 = 16 ks + 8 (r >> 1); lanes 8 r .. 8 r + 7 address that block's rows.
+      uint32_t va[kChunk / 16][4];
+      {
+        const uint32_t u_base = smem_u32(st.v + half * kBoxBytes);
+        const int r = lane >> 3;
+        const int row_in = lane & 7;
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks) {
+          uint32_t u[4];
+          const int c_row = 16 * ks + 8 * (r >> 1) + row_in;
+          ldmatrix_x4_trans(u_base + sw128_chunk_offset(c_row, 2 * warp + (r & 1)), u);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float2 uf = bf16x2_to_float2(u[q]);
+            va[ks][q] = float2_to_bf16x2(uf.x - Pt[8 * ks + 2 * q], uf.y - Pt[8 * ks + 2 * q + 1]);
+          }
+        }
+      }
+      timer.mark(2);
+
+      // (d) O^T += v_new^T A_qk^T and (e) S^T += v_new^T KT', one batch (after the O^T batch above
+      // in the WGMMA queue, which orders the two accumulations into O^T).
+      const uint32_t aqk_base = smem_u32(st.aqk), kt_base = smem_u32(st.g);
+      fence_accumulators(St);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks) wgmma_rs<64, Major::K>(va[ks], desc_k_major(aqk_base + ks * 32), Ot, true);
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks)
+        wgmma_rs<128, Major::MN>(va[ks], desc_mn_major(kt_base + ks * kSubBlock * 128, kBoxBytes), St, true);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(Ot);
+      fence_accumulators(St);
+      timer.mark(3);
+
+      // (d') O^T[v, i] += A_qk[i, i] v_new^T[v, i] (bf16 v_new, as in the product), then the stage
+      // is no longer read: release it.
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int i = 16 * ks + 8 * (q >> 1) + 2 * t4;
+          const float2 d = *reinterpret_cast<const float2*>(&st.aqk_diag[i]);
+          const float2 vn = bf16x2_to_float2(va[ks][q]);
+          Ot[8 * ks + 2 * q] = fmaf(d.x, vn.x, Ot[8 * ks + 2 * q]);
+          Ot[8 * ks + 2 * q + 1] = fmaf(d.y, vn.y, Ot[8 * ks + 2 * q + 1]);
+        }
+      cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
+
+      // (f) o = scale O: O^T's 8x8 blocks stored transposed, so the staging tile holds rows i,
+      // columns v (SW128, as write_output_rows reads it). stmatrix call ks covers O^T columns
+      // (= rows i) 16 ks .. 16 ks + 15; its matrix q is fragment q: rows i0 = 16 ks + 8 (q >> 1),
+      // columns v0 = 16 w + 8 (q & 1), whose row addresses lanes 8 q .. 8 q + 7 give.
+      uint8_t* const buf = staging + (c & 1) * kBoxBytes;
+      {
+        const uint32_t buf_base = smem_u32(buf);
+        const int q = lane >> 3;
+        const int row_in = lane & 7;
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks) {
+          uint32_t o[4];
+#pragma unroll
+          for (int f = 0; f < 4; ++f)
+            o[f] = float2_to_bf16x2(Ot[8 * ks + 2 * f] * p.scale, Ot[8 * ks + 2 * f + 1] * p.scale);
+          const int i_row = 16 * ks + 8 * (q >> 1) + row_in;
+          stmatrix_x4_trans(buf_base + sw128_chunk_offset(i_row, 2 * warp + (q & 1)), o[0], o[1], o[2], o[3]);
+        }
+      }
+      named_barrier_sync(bar, 128);
+      write_output_rows(p, tile, c, buf, half, tid);
+      timer.mark(4);
+    }
+    store_final_state_transposed(p, state_slot(p, tile), St, half, warp, lane);
+  }
+  zero_uncovered_rows(p, int(blockIdx.x) / kp.coop.value_split, tid + 128 * half, kp.coop.tiles);
+  timer.report(half ? "owner1: wait P+decay vnew O+S store" : "owner0: wait P+decay vnew O+S store", tid);
+}
+
+}  // namespace cula::kda::sm90
