@@ -122,34 +122,14 @@ __device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, 
 // its flag is set (acquire; then a proxy fence, since the bulk copy reads in the async proxy).
 // With a value split both owners of a tile read every stage whole.
 // The state warpgroups wait on `full` directly.
-//
-// The helpers run ahead of the owners, so by the time an owner wants a stage it has often left L2
-// for HBM, and the copy into the ring (which can only start once a ring stage is free) would pay
-// the HBM latency on the chain's critical path. So while it waits for a free ring stage, lane 0
-// prefetches into L2 the stages of the next kPrefetchChunks chunks that are already published.
-constexpr int kPrefetchChunks = 3;
-
 __device__ __forceinline__ void run_workspace_loader(const KdaKernelParams& kp, SharedStorage& smem) {
   const int lane = threadIdx.x & 31;
   PipelineState pipe;
   TileCursor cursor;
   for (WorkTile tile; next_tile</*kLongestFirst=*/false, /*kIsProducer=*/true, /*kOwner=*/true>(kp, smem, cursor, tile);) {
     const int64_t first = first_chunk_slot(tile);
-    int prefetched = 0;  // chunks [0, prefetched) are in L2 or on their way
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
-      if (lane == 0) {
-        prefetched = max(prefetched, c);
-        const int end = min(tile.num_chunks(), c + kPrefetchChunks);
-        for (; prefetched < end; ++prefetched) {
-          int ready = 0;
-          asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(ready) : "l"(published_flag(kp, tile.v_head, first + prefetched)) : "memory");
-          if (!ready) break;
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(workspace_stage(kp, tile.v_head, first + prefetched)),
-                       "r"(uint32_t(kWorkspaceStageBytes))
-                       : "memory");
-        }
-      }
       cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
       uint64_t* bar = &smem.full_bar[pipe.stage];
       if (lane == 0) {
