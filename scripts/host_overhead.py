@@ -1,0 +1,103 @@
+"""Host (CPU) time of one eager ``kda_prefill(backend="sm90")`` call, and where it goes.
+
+    python scripts/host_overhead.py              # needs an SM90 GPU and the built extension
+
+On B=1 T=1024 H=HV=64 (the benchmark row where the eager time exceeds the CUDA-graph time the
+most) it times, with ``time.perf_counter`` around each of 300 calls and no synchronisation in
+between (the kernel takes ~0.2 ms, so the launch queue never blocks and the wall time of a call is
+its host time):
+
+* the whole call;
+* the binding alone: the extension's ``kda_prefill_sm90`` with the same, already prepared
+  arguments (its argument checks, the TMA descriptors, the launch);
+* the validation and plan alone (``cula.kda.prefill._plan``), if the module exposes it;
+
+then prints the ten most expensive functions of a cProfile of 300 whole calls.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _median_us(fn, reps: int = 300) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
+def main() -> int:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
+        print("host_overhead: needs an SM90 (Hopper) GPU", file=sys.stderr)
+        return 2
+    from cula import _ext
+    from cula.kda import kda_prefill
+
+    torch.manual_seed(0)
+    B, T, H, D = 1, 1024, 64, 128
+    dev = "cuda"
+    q, k, v, g = (torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    beta = torch.rand(B, T, H, device=dev)
+    A_log = torch.randn(H, device=dev)
+    dt_bias = torch.randn(H * D, device=dev)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              A_log=A_log, dt_bias=dt_bias, safe_gate=True, lower_bound=-5.0, backend="sm90")
+
+    def whole() -> None:
+        kda_prefill(q, k, v, g, beta, **kw)
+
+    for _ in range(20):
+        whole()
+    torch.cuda.synchronize()
+    print(f"host_overhead: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+          f"B{B} T{T} H{H}", flush=True)
+    print(f"whole call: {_median_us(whole):.1f} us", flush=True)
+
+    o = torch.empty_like(v)
+    fs = torch.empty(B, H, D, D, device=dev)
+    ext = _ext.get_ext()
+
+    def binding() -> None:
+        ext.kda_prefill_sm90(
+            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=None,
+            cu_seqlens=None, state_indices=None, has_initial_state=None, o=o, final_state=fs,
+            state_pool=None, scale=D ** -0.5, lower_bound=-5.0, use_gate_in_kernel=True,
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=False, state_v_first=False,
+            general_gates=False)
+
+    try:
+        binding()
+        print(f"binding alone (extension call, prepared arguments): {_median_us(binding):.1f} us",
+              flush=True)
+    except Exception as exc:  # the binding's keyword set may differ: report, go on
+        print(f"binding alone: not measured ({type(exc).__name__}: {exc})", flush=True)
+
+    empty = lambda: (torch.empty_like(v), torch.empty(B, H, D, D, device=dev))  # noqa: E731
+    print(f"two torch.empty: {_median_us(empty):.1f} us", flush=True)
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        whole()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    print("cProfile of 300 whole calls, by own time:")
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
