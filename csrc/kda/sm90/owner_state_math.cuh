@@ -47,38 +47,8 @@ __device__ __forceinline__ void transposed_state_io(const KdaPrefillParams& p, E
     for (int h2 = 0; h2 < 2; ++h2) {
       const int vv = 64 * half + kSubBlock * warp + g4 + 8 * h2;
       const int kk = 8 * n8 + 2 * t4;
-      float& x0 = St[n8 * 4 + h2 * 2];
-      float& x1 = St[n8 * 4 + h2 * 2 + 1];
-      if (p.state_vk) {  // [V, K]: (vv, kk) and (vv, kk + 1) are adjacent
-        Elem* ptr = gmem + vv * kHeadDim + kk;
-        if constexpr (std::is_same_v<Elem, float>) {
-          if constexpr (kLoad) {
-            const float2 v = *reinterpret_cast<const float2*>(ptr);
-            x0 = v.x;
-            x1 = v.y;
-          } else {
-            *reinterpret_cast<float2*>(ptr) = make_float2(x0, x1);
-          }
-        } else {
-          if constexpr (kLoad) {
-            const float2 v = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(ptr));
-            x0 = v.x;
-            x1 = v.y;
-          } else {
-            *reinterpret_cast<uint32_t*>(ptr) = float2_to_bf16x2(x0, x1);
-          }
-        }
-      } else {  // [K, V]
-        Elem* p0 = gmem + kk * kHeadDim + vv;
-        Elem* p1 = gmem + (kk + 1) * kHeadDim + vv;
-        if constexpr (kLoad) {
-          x0 = float(*p0);
-          x1 = float(*p1);
-        } else {
-          *p0 = Elem(x0);
-          *p1 = Elem(x1);
-        }
-      }
+      // [V, K] ("vk"): (vv, kk) and (vv, kk + 1) are adjacent.
+      state_pair_io<kLoad>(gmem, p.state_vk, vv, kk, St[n8 * 4 + h2 * 2], St[n8 * 4 + h2 * 2 + 1]);
     }
 }
 

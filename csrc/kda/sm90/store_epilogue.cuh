@@ -44,6 +44,43 @@ __device__ __forceinline__ StateSlot state_slot(const KdaPrefillParams& p, const
   return r;
 }
 
+// Loads (kLoad) or stores one pair of a state's elements (fp32 or bf16 per Elem) at `gmem`:
+// (a, b) and (a, b + 1) of a 128 x 128 matrix whose rows are a. `pair_contiguous`: stored as
+// [a][b], so the pair is adjacent (one 8- or 4-byte access); else stored as [b][a].
+template <bool kLoad, typename Elem>
+__device__ __forceinline__ void state_pair_io(Elem* gmem, bool pair_contiguous, int a, int b, float& x0, float& x1) {
+  if (pair_contiguous) {
+    Elem* ptr = gmem + a * kHeadDim + b;
+    if constexpr (std::is_same_v<Elem, float>) {
+      if constexpr (kLoad) {
+        const float2 v = *reinterpret_cast<const float2*>(ptr);
+        x0 = v.x;
+        x1 = v.y;
+      } else {
+        *reinterpret_cast<float2*>(ptr) = make_float2(x0, x1);
+      }
+    } else {
+      if constexpr (kLoad) {
+        const float2 v = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(ptr));
+        x0 = v.x;
+        x1 = v.y;
+      } else {
+        *reinterpret_cast<uint32_t*>(ptr) = float2_to_bf16x2(x0, x1);
+      }
+    }
+  } else {
+    Elem* p0 = gmem + b * kHeadDim + a;
+    Elem* p1 = gmem + (b + 1) * kHeadDim + a;
+    if constexpr (kLoad) {
+      x0 = float(*p0);
+      x1 = float(*p1);
+    } else {
+      *p0 = Elem(x0);
+      *p1 = Elem(x1);
+    }
+  }
+}
+
 // Loads (kLoad) or stores the thread's state elements at `gmem` (one (slot, head) state, fp32 or
 // bf16 per Elem, layout per p.state_vk).
 template <bool kLoad, typename Elem>
@@ -51,48 +88,16 @@ __device__ __forceinline__ void state_io(const KdaPrefillParams& p, Elem* gmem, 
                                          int lane) {
   const int g4 = lane >> 2, t4 = lane & 3;
 #pragma unroll
-  for (int mh = 0; mh < 2; ++mh) {
+  for (int mh = 0; mh < 2; ++mh)
 #pragma unroll
-    for (int n8 = 0; n8 < 8; ++n8) {
+    for (int n8 = 0; n8 < 8; ++n8)
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
         const int vv = 64 * half + 8 * n8 + 2 * t4;
-        float& x0 = s.acc[mh][n8 * 4 + h2 * 2];
-        float& x1 = s.acc[mh][n8 * 4 + h2 * 2 + 1];
-        if (!p.state_vk) {  // [K, V]: (kk, vv) and (kk, vv + 1) are adjacent
-          Elem* ptr = gmem + kk * kHeadDim + vv;
-          if constexpr (std::is_same_v<Elem, float>) {
-            if constexpr (kLoad) {
-              const float2 v = *reinterpret_cast<const float2*>(ptr);
-              x0 = v.x;
-              x1 = v.y;
-            } else {
-              *reinterpret_cast<float2*>(ptr) = make_float2(x0, x1);
-            }
-          } else {
-            if constexpr (kLoad) {
-              const float2 v = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(ptr));
-              x0 = v.x;
-              x1 = v.y;
-            } else {
-              *reinterpret_cast<uint32_t*>(ptr) = float2_to_bf16x2(x0, x1);
-            }
-          }
-        } else {  // [V, K]
-          Elem* p0 = gmem + vv * kHeadDim + kk;
-          Elem* p1 = gmem + (vv + 1) * kHeadDim + kk;
-          if constexpr (kLoad) {
-            x0 = float(*p0);
-            x1 = float(*p1);
-          } else {
-            *p0 = Elem(x0);
-            *p1 = Elem(x1);
-          }
-        }
+        // [K, V] ("kv"): (kk, vv) and (kk, vv + 1) are adjacent.
+        state_pair_io<kLoad>(gmem, !p.state_vk, kk, vv, s.acc[mh][n8 * 4 + h2 * 2], s.acc[mh][n8 * 4 + h2 * 2 + 1]);
       }
-    }
-  }
 }
 
 __device__ __forceinline__ void load_initial_state(const KdaPrefillParams& p, const StateSlot& slot,
