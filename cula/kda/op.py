@@ -76,11 +76,11 @@ def _tma_ready(t: Tensor) -> Tensor:
     B and T). Column slices of a fused projection qualify; anything else is copied once. With no
     token (B*T == 0) nothing is read: taken as it is. The binding's ``tma_strides`` asserts
     exactly this."""
-    s = t.stride()
-    if t.shape[0] * t.shape[1] == 0:
+    shape, s = t.shape, t.stride()  # read once: each read builds a new Python object
+    if shape[0] * shape[1] == 0:
         return t
     if (s[3] == 1 and s[1] > 0 and s[2] > 0 and s[1] % 8 == 0 and s[2] % 8 == 0
-            and (t.shape[0] == 1 or s[0] == t.shape[1] * s[1]) and t.data_ptr() % _ALIGN == 0):
+            and (shape[0] == 1 or s[0] == shape[1] * s[1]) and t.data_ptr() % _ALIGN == 0):
         return t
     return _fresh(t)
 
@@ -89,10 +89,10 @@ def _beta_ready(beta: Tensor) -> Tensor:
     """beta ``[B, T, HV]`` with its heads contiguous and batch rows ``T`` token strides apart (a
     column slice of a fused projection qualifies), else a contiguous copy. With no token (B*T
     == 0) beta is never read: taken as it is (as the binding does)."""
-    s = beta.stride()
-    if beta.shape[0] * beta.shape[1] == 0:
+    shape, s = beta.shape, beta.stride()
+    if shape[0] * shape[1] == 0:
         return beta
-    if s[2] == 1 and s[1] > 0 and (beta.shape[0] == 1 or s[0] == beta.shape[1] * s[1]):
+    if s[2] == 1 and s[1] > 0 and (shape[0] == 1 or s[0] == shape[1] * s[1]):
         return beta
     return _fresh(beta)
 
