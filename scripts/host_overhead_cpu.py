@@ -11,6 +11,8 @@ for on top of the binding. Per-call times, the best of ``--rounds`` rounds of ``
 each, for:
 
 * ``kda_prefill``: the whole call (plan, two output allocations, dispatch, ``_run_sm90``);
+* the same with ``A_log`` and ``dt_bias`` as ``nn.Parameter`` (a model's, not requiring grad as
+  under ``no_grad``/``inference_mode``);
 * ``_plan``: every validation rule and the backend choice;
 * ``call_kda_prefill``: the eager dispatch decision plus ``_run_sm90`` (prepared outputs);
 * ``torch.ops.cula.kda_prefill``: the custom op's dispatch plus ``_run_sm90`` (what the call
@@ -90,8 +92,13 @@ def main() -> int:
         scale=D ** -0.5, lower_bound=-5.0, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
         use_beta_sigmoid_in_kernel=False, state_layout="kv", bounded_decays=True)
 
+    param_kw = dict(kw, A_log=torch.nn.Parameter(A_log, requires_grad=False),
+                    dt_bias=torch.nn.Parameter(dt_bias, requires_grad=False))
+
     cases: list[tuple[str, Callable[[], object]]] = [
         ("kda_prefill (whole call)", lambda: prefill_mod.kda_prefill(q, k, v, g, beta, **kw)),
+        ("kda_prefill, nn.Parameter A_log and dt_bias",
+         lambda: prefill_mod.kda_prefill(q, k, v, g, beta, **param_kw)),
         ("_plan", lambda: prefill_mod._plan(q, k, v, g, beta, **plan_kw)),
         ("call_kda_prefill (direct path)",
          lambda: op_mod.call_kda_prefill(*op_args, **op_kw, backend="sm90")),

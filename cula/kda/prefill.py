@@ -260,9 +260,10 @@ def _validate_tensors(
     if k.shape != q_shape:
         raise ValueError(_err("k", f"of the same shape as q {tuple(q_shape)} = [B, T, H, K]", k))
     _require_rank("v", v, 4, "[B, T, HV, V]")
-    _, _, HV, V = v_shape = v.shape
+    v_shape = v.shape
     if v_shape[0] != B or v_shape[1] != T:
         raise ValueError(_err("v", f"of shape [B, T, HV, V] with B={B}, T={T} (as q)", v))
+    HV, V = v_shape[2], v_shape[3]
     if HV < H or HV % H != 0:
         raise ValueError(
             _err("v", f"of shape [B, T, HV, V] with HV a positive multiple of H={H} "
