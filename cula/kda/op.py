@@ -76,11 +76,11 @@ def _tma_ready(t: Tensor) -> Tensor:
     B and T). Column slices of a fused projection qualify; anything else is copied once. With no
     token (B*T == 0) nothing is read: taken as it is. The binding's ``tma_strides`` asserts
     exactly this."""
-    s = t.stride()
-    if t.shape[0] * t.shape[1] == 0:
+    shape, s = t.shape, t.stride()  # read once: each read builds a new Python object
+    if shape[0] * shape[1] == 0:
         return t
     if (s[3] == 1 and s[1] > 0 and s[2] > 0 and s[1] % 8 == 0 and s[2] % 8 == 0
-            and (t.shape[0] == 1 or s[0] == t.shape[1] * s[1]) and t.data_ptr() % _ALIGN == 0):
+            and (shape[0] == 1 or s[0] == shape[1] * s[1]) and t.data_ptr() % _ALIGN == 0):
         return t
     return _fresh(t)
 
@@ -89,10 +89,10 @@ def _beta_ready(beta: Tensor) -> Tensor:
     """beta ``[B, T, HV]`` with its heads contiguous and batch rows ``T`` token strides apart (a
     column slice of a fused projection qualifies), else a contiguous copy. With no token (B*T
     == 0) beta is never read: taken as it is (as the binding does)."""
-    s = beta.stride()
-    if beta.shape[0] * beta.shape[1] == 0:
+    shape, s = beta.shape, beta.stride()
+    if shape[0] * shape[1] == 0:
         return beta
-    if s[2] == 1 and s[1] > 0 and (beta.shape[0] == 1 or s[0] == beta.shape[1] * s[1]):
+    if s[2] == 1 and s[1] > 0 and (shape[0] == 1 or s[0] == shape[1] * s[1]):
         return beta
     return _fresh(beta)
 
@@ -308,17 +308,38 @@ def _kda_prefill_fake(
     return None
 
 
+#: Tensor types the direct path takes as they are: plain tensors, and parameters (a model's
+#: ``A_log`` and ``dt_bias``), which disable ``__torch_function__`` and so dispatch as plain
+#: tensors do. Any other subclass may override the op's dispatch: it goes through the op.
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _only_device_contexts() -> bool:
+    """True when every active torch-function mode is a ``DeviceContext``
+    (``torch.set_default_device`` or ``with torch.device(...)``). Such a mode only fills in the device of factory calls that
+    name none; the implementations name one in every call, so it changes nothing in them."""
+    from torch.utils._device import DeviceContext
+
+    return all(type(torch._C._get_function_stack_at(i)) is DeviceContext
+               for i in range(torch._C._len_torch_function_stack()))
+
+
 def _plain_eager(tensors: tuple[Tensor | None, ...]) -> bool:
     """True when nothing observes the call but the caller: no compiler tracing, no dispatch mode
-    (fake tensors, functionalisation, export), only plain tensors, and no input that autograd
-    would want to see. Then calling the implementation directly is what the op's dispatch would
-    end up doing, without its ~20 us of Python dispatch layers (autograd, ADInplaceOrView,
-    the backend wrapper) per call."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    (fake tensors, functionalisation, export), no ``torch.jit.trace``, no functorch transform
+    (vmap, grad: their wrapped tensors look plain from Python), no torch-function mode but the
+    default-device one, only plain tensors (or parameters), and no input that autograd would
+    want to see. Then calling the implementation directly is what the op's dispatch would end
+    up doing, without its ~20 us of Python dispatch layers (autograd, ADInplaceOrView, the
+    backend wrapper) per call. Anything else takes the op, which every tracer records as one
+    node."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_tracing() or torch._C._are_functorch_transforms_active()
+            or (torch._C._is_torch_function_mode_enabled() and not _only_device_contexts())):
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) is not Tensor or (grad and t.requires_grad)):
+        if t is not None and (type(t) not in _PLAIN_TYPES or (grad and t.requires_grad)):
             return False
     return True
 
@@ -335,8 +356,8 @@ def call_kda_prefill(
     """``torch.ops.cula.kda_prefill`` with the same arguments, or, in plain eager mode
     (:func:`_plain_eager`), its implementation called directly. Either way the same function runs
     on the same tensors, and the mutated outputs get their version counters bumped as the op's
-    dispatch does; under ``torch.compile``, export, fake tensors or autograd the op is always the
-    path."""
+    dispatch does; under ``torch.compile``, export, fake tensors, dispatch or torch-function
+    modes, ``torch.jit.trace``, functorch transforms or autograd the op is always the path."""
     args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_indices,
             has_initial_state, o, final_state, state_pool)
     if not _plain_eager(args):

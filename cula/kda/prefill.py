@@ -250,17 +250,20 @@ def _validate_tensors(
     final_state = _require_optional_tensor("final_state", final_state)
 
     # ---- ranks and shapes ----------------------------------------------------------------
+    # Each shape, dtype and device is read once (every read builds a new Python object).
     _require_rank("q", q, 4, "[B, T, H, K]")
-    B, T, H, K = q.shape
+    q_shape = q.shape
+    B, T, H, K = q_shape
     if B < 1 or H < 1 or K < 1:
         raise ValueError(_err("q", "of shape [B, T, H, K] with B >= 1, H >= 1, K >= 1", q))
     _require_rank("k", k, 4, "[B, T, H, K]")
-    if k.shape != q.shape:
-        raise ValueError(_err("k", f"of the same shape as q {tuple(q.shape)} = [B, T, H, K]", k))
+    if k.shape != q_shape:
+        raise ValueError(_err("k", f"of the same shape as q {tuple(q_shape)} = [B, T, H, K]", k))
     _require_rank("v", v, 4, "[B, T, HV, V]")
-    if v.shape[:2] != (B, T):
+    v_shape = v.shape
+    if v_shape[0] != B or v_shape[1] != T:
         raise ValueError(_err("v", f"of shape [B, T, HV, V] with B={B}, T={T} (as q)", v))
-    HV, V = v.shape[2], v.shape[3]
+    HV, V = v_shape[2], v_shape[3]
     if HV < H or HV % H != 0:
         raise ValueError(
             _err("v", f"of shape [B, T, HV, V] with HV a positive multiple of H={H} "
@@ -276,13 +279,13 @@ def _validate_tensors(
         raise ValueError(_err("beta", f"of shape [B, T, HV] = {(B, T, HV)}", beta))
 
     # ---- dtypes ----------------------------------------------------------------------------
-    if not q.dtype.is_floating_point:
+    dtype = q.dtype
+    if not dtype.is_floating_point:
         raise TypeError(_err("q", "a floating-point tensor (bfloat16 for the sm90 kernel)", q))
     for name, t in (("k", k), ("v", v), ("g", g)):
-        if t.dtype != q.dtype:
-            raise TypeError(_err(name, f"of the same dtype as q ({q.dtype})", t))
-    beta_ok = (torch.float32, torch.bfloat16, q.dtype)
-    if beta.dtype not in beta_ok:
+        if t.dtype != dtype:
+            raise TypeError(_err(name, f"of the same dtype as q ({dtype})", t))
+    if beta.dtype not in (torch.float32, torch.bfloat16, dtype):
         raise TypeError(_err("beta", "float32, bfloat16 or q's dtype", beta))
 
     # ---- gate parameters -------------------------------------------------------------------
@@ -308,12 +311,13 @@ def _validate_tensors(
             raise TypeError(_err("dt_bias", "float32", dt_bias))
 
     # ---- devices ---------------------------------------------------------------------------
+    device = q.device
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
                     ("cu_seqlens", cu_seqlens), ("A_log", A_log), ("dt_bias", dt_bias),
                     ("state_indices", state_indices), ("has_initial_state", has_initial_state),
                     ("out", out), ("final_state", final_state)):
-        if t is not None and t.device != q.device:
-            raise ValueError(_err(name, f"on the same device as q ({q.device})", t))
+        if t is not None and t.device != device:
+            raise ValueError(_err(name, f"on the same device as q ({device})", t))
 
     # ---- cu_seqlens ------------------------------------------------------------------------
     N = B
@@ -334,8 +338,8 @@ def _validate_tensors(
         if out.shape != (B, T, HV, V):
             raise ValueError(_err("out", f"of shape [B, T, HV, V] = {(B, T, HV, V)} (the shape of o)",
                                   out))
-        if out.dtype != q.dtype:
-            raise TypeError(_err("out", f"of q's dtype ({q.dtype}), the dtype of o", out))
+        if out.dtype != dtype:
+            raise TypeError(_err("out", f"of q's dtype ({dtype}), the dtype of o", out))
 
     # ---- states: a pool indexed by state_indices, or one state per sequence -----------------
     trailing = (HV, K, V) if state_layout == "kv" else (HV, V, K)
@@ -759,7 +763,8 @@ def kda_prefill(
     # 2. the outputs (caller-owned from the op's point of view), then the op.
     B, T, HV, V = v.shape
     K = q.shape[3]
-    o = out if out is not None else torch.empty((B, T, HV, V), dtype=q.dtype, device=q.device)
+    device = q.device
+    o = out if out is not None else torch.empty((B, T, HV, V), dtype=q.dtype, device=device)
     state_pool = None
     if plan.pooled:
         # The pool is read by index; with output_final_state it is also written (in place).
@@ -769,10 +774,12 @@ def kda_prefill(
     else:
         if output_final_state and final_state is None:
             state_shape = (plan.num_seqs, HV, K, V) if state_layout == "kv" else (plan.num_seqs, HV, V, K)
-            final_state = torch.empty(state_shape, dtype=plan.state_dtype, device=q.device)
+            final_state = torch.empty(state_shape, dtype=plan.state_dtype, device=device)
         result_state = final_state
+    if dt_bias is not None and dt_bias.dim() != 1:
+        dt_bias = dt_bias.reshape(-1)  # [HV, K] -> [HV * K], the op's shape (a 1-D one as it is)
     _op.call_kda_prefill(
-        q, k, v, g, beta, A_log, dt_bias.reshape(-1) if dt_bias is not None else None,
+        q, k, v, g, beta, A_log, dt_bias,
         initial_state, cu_seqlens, state_indices, has_initial_state, o, final_state, state_pool,
         scale=plan.scale, lower_bound=plan.lower_bound, use_gate_in_kernel=use_gate_in_kernel,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -781,7 +788,8 @@ def kda_prefill(
     )
 
     LAST_BACKEND = plan.backend
-    if not torch.compiler.is_compiling():  # logging is a graph break for the compiler
+    # Logging is a graph break for the compiler; the level test first spares the arguments.
+    if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):
         _log.debug("kda_prefill: backend=%s (requested %s) q=%s HV=%d device=%s varlen=%s",
                    plan.backend, backend, tuple(q.shape), HV, q.device, cu_seqlens is not None)
     return o, result_state
