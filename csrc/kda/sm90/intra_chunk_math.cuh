@@ -42,12 +42,13 @@ constexpr float kL2NormEps = 1e-6f;
 constexpr float kGateFloorLog2 = -200.f;
 constexpr float kWideSpanLog2 = 100.f;
 
-// Exact diagonal-block terms of wide features (general gates): each of the two warps that hold a
-// block's rows sums its 32 lanes' features with a warp reduce-scatter in a fixed order and stores
-// its partial sums (no atomics: the result does not depend on timing); step 5 adds the two partials in a fixed
-// order. float [4 blocks][2 warps][2 (A_qk, A_kk)][16][16] = 16 KB in the inverse's operand
-// buffer, which is free from the prep until step 7 (its last reader, the previous chunk's
-// inverse, waited for its WGMMAs).
+// Exact diagonal-block terms of wide features (general gates), per (block, warp of the pair that
+// holds the block's rows, which: 0 A_qk, 1 A_kk): the warp's partial sum over its 64 features,
+// float [4 blocks][2 warps][2][16 i][16 j] = 16 KB in the inverse's operand buffer, which is free
+// from the prep until step 7 (its last reader, the previous chunk's inverse, waited for its
+// WGMMAs). Step 5 adds the two partials in a fixed order (no atomics: deterministic). Every
+// entry j < i is written for every chunk (zeros where the warp has no wide pair); entries j >= i
+// are never written and step 5 discards them by select.
 __device__ __forceinline__ float* wide_corrections(SharedStorage& smem, int block, int warp_of_half, int which) {
   return reinterpret_cast<float*>(smem.inverse_operand) + ((block * 2 + warp_of_half) * 2 + which) * 256;
 }
@@ -76,6 +77,131 @@ __device__ __forceinline__ void st_bf16x2(uint8_t* base, uint32_t off, float lo,
   *reinterpret_cast<uint32_t*>(base + off) = float2_to_bf16x2(lo, hi);
 }
 
+// Staging of the exact pass's tensor-core operands, per warp: 24 rows of the warp's 64 features
+// (bf16, 128 bytes per row, 16-byte chunks XOR-swizzled by row so that ldmatrix is conflict-free):
+// rows 0-7 KX of a level's upper rows, 8-15 QX of the same rows, 16-23 KX of its lower rows.
+// Warps 0, 1 use the stage's A_qk tile and warps 2, 3 the intra scratch past the l2-norm
+// reciprocals: both are free during the prep (A_qk is written in step 5; the row statistics
+// there are dead once the reciprocals exist).
+constexpr int kWideStagingBytes = 24 * 128;
+constexpr int kWideStagingOffset = 1024;  // in intra_scratch, past rnorm (float[128])
+static_assert(2 * kWideStagingBytes <= kChunk * kChunk * 2, "staging of warps 0, 1 must fit in the A_qk tile");
+static_assert(kWideStagingOffset >= 128 * 4 && kWideStagingOffset + 2 * kWideStagingBytes <= 8192,
+              "staging of warps 2, 3 must fit in the intra scratch past rnorm");
+__device__ __forceinline__ uint32_t wide_staging(SharedStorage& smem, StageStorage& st, int warp) {
+  return warp < 2 ? smem_u32(st.aqk + warp * kWideStagingBytes)
+                  : smem_u32(smem.intra_scratch + kWideStagingOffset + (warp - 2) * kWideStagingBytes);
+}
+__device__ __forceinline__ uint32_t wide_staging_offset(int row, int chunk) {
+  return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
+}
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// Exact diagonal-block terms of the wide features of one 16-row block, on the tensor cores.
+// For j < i inside the block the term is q_i k_j exp2(G_i - G_j) (and k_i k_j ...), which the
+// block-end factorisation cannot carry when the block's decay span exceeds the exponent range.
+// Split the block's rows recursively in halves (levels of 8, 4, 2, 1 rows): every pair j < i is
+// split at exactly one level, with j in the lower half and i in the upper half of one group, and
+// there it factors through the group's boundary row m (the lower half's last row):
+//   exp2(G_i - G_j) = exp2(G_i - G_m) * exp2(G_m - G_j),   both factors <= 1 for any decays,
+// so nothing overflows and an underflow to 0 only drops a term below 2^-126. Per level one
+// m16n8k16 product per 16 features gives both matrices: A = [KX; QX] of the 8 upper rows
+// (scaled by exp2(G_i - G_m)), B = KX of the 8 lower rows (scaled by exp2(G_m - G_j)); entries
+// of pairs from different groups are dropped. The factors are running products of the per-token
+// decays d_t = exp2(G_t - G_{t-1}) (one exp2 per element, not one per level). Non-wide features
+// are masked to 0 here: the main A products carry them.
+// Lane: features 2 cp, 2 cp + 1 (cp = tid % 64) of the block's 16 rows (G0/G1: half-local
+// cumulative log2 decays, qx/kx: raw bf16 pairs). Writes the warp's partials (wide_corrections).
+template <bool kL2Norm>
+__device__ __forceinline__ void wide_diagonal_terms(SharedStorage& smem, StageStorage& st,
+                                                    const float (&G0)[kSubBlock], const float (&G1)[kSubBlock],
+                                                    const uint32_t (&qx)[kSubBlock], const uint32_t (&kx)[kSubBlock],
+                                                    bool w0, bool w1, const float* rnorm, int block, int tid) {
+  const int lane = tid & 31, warp = tid >> 5, g4 = lane >> 2, t4 = lane & 3;
+  float* corr_qk = wide_corrections(smem, block, warp & 1, 0);
+  float* corr_kk = wide_corrections(smem, block, warp & 1, 1);
+  static_assert(kSubBlock == 16, "the exact pass splits 16-row blocks");
+  if (!__any_sync(0xffffffffu, w0 || w1)) {  // no wide pair in the warp: its partials are 0
+    float4* z = reinterpret_cast<float4*>(corr_qk);  // corr_kk follows corr_qk (512 floats)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) z[lane + 32 * x] = make_float4(0.f, 0.f, 0.f, 0.f);
+    return;
+  }
+  const uint32_t keep = (w0 ? 0x0000ffffu : 0u) | (w1 ? 0xffff0000u : 0u);  // the wide features
+  float d0[kSubBlock], d1[kSubBlock];
+#pragma unroll
+  for (int t = 1; t < kSubBlock; ++t) {
+    d0[t] = fast_exp2(G0[t] - G0[t - 1]);
+    d1[t] = fast_exp2(G1[t] - G1[t - 1]);
+  }
+  const uint32_t stg = wide_staging(smem, st, warp);
+  const uint32_t st_lane = uint32_t((lane & 3) << 2);  // the lane's 4 bytes in its 16-byte chunk
+  const int lm_row = lane & 7, lm_sel = lane >> 3;     // ldmatrix: row within a matrix, matrix
+#pragma unroll
+  for (int level = 0; level < 4; ++level) {
+    const int half = 8 >> level, group = 2 * half;
+    float x0[kSubBlock], x1[kSubBlock];  // exp2(G_i - G_m) (upper rows), exp2(G_m - G_j) (lower)
+#pragma unroll
+    for (int ii = 0; ii < kSubBlock; ++ii) {
+      if (ii & half) {
+        const bool first = (ii & (half - 1)) == 0;
+        x0[ii] = first ? d0[ii] : x0[ii - 1] * d0[ii];
+        x1[ii] = first ? d1[ii] : x1[ii - 1] * d1[ii];
+      }
+    }
+#pragma unroll
+    for (int ii = kSubBlock - 1; ii >= 0; --ii) {
+      if (!(ii & half)) {
+        const bool last = (ii & (half - 1)) == half - 1;  // the boundary row m itself
+        x0[ii] = last ? 1.f : x0[ii + 1] * d0[ii + 1];
+        x1[ii] = last ? 1.f : x1[ii + 1] * d1[ii + 1];
+      }
+    }
+    __syncwarp();  // the previous level's ldmatrix reads are done before the staging is rewritten
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int i = (u / half) * group + half + (u % half);  // u-th upper row
+      const int j = (u / half) * group + (u % half);         // u-th lower row
+      const float2 qi = bf16x2_to_float2(qx[i] & keep), ki = bf16x2_to_float2(kx[i] & keep);
+      const float2 kj = bf16x2_to_float2(kx[j] & keep);
+      st_shared_u32(stg + wide_staging_offset(u, g4) + st_lane, float2_to_bf16x2(ki.x * x0[i], ki.y * x1[i]));
+      st_shared_u32(stg + wide_staging_offset(8 + u, g4) + st_lane, float2_to_bf16x2(qi.x * x0[i], qi.y * x1[i]));
+      st_shared_u32(stg + wide_staging_offset(16 + u, g4) + st_lane, float2_to_bf16x2(kj.x * x0[j], kj.y * x1[j]));
+    }
+    __syncwarp();
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows 0-7: A_kk, 8-15: A_qk; columns: lower rows
+#pragma unroll
+    for (int ks = 0; ks < 4; ks += 2) {  // 16 features per k-step, B for two k-steps per ldmatrix
+      uint32_t bf[4], af[4];
+      ldmatrix_x4(stg + wide_staging_offset(16 + lm_row, 2 * ks + lm_sel), bf);
+      ldmatrix_x4(stg + wide_staging_offset((lm_sel & 1) * 8 + lm_row, 2 * ks + (lm_sel >> 1)), af);
+      mma_m16n8k16_bf16(af, bf[0], bf[1], acc);
+      ldmatrix_x4(stg + wide_staging_offset((lm_sel & 1) * 8 + lm_row, 2 * ks + 2 + (lm_sel >> 1)), af);
+      mma_m16n8k16_bf16(af, bf[2], bf[3], acc);
+    }
+    // Lane (g4, t4): upper row u = g4 against lower rows c = 2 t4, 2 t4 + 1; a pair from two
+    // different groups of this level belongs to an earlier level and is dropped.
+    const int i = (g4 / half) * group + half + (g4 % half);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 2 * t4 + e;
+      if (g4 / half == c / half) {
+        const int j = (c / half) * group + (c % half);
+        float sq = 1.f, sk = 1.f;
+        if constexpr (kL2Norm) {
+          const float rkj = rnorm[kChunk + kSubBlock * block + j];
+          sq = rnorm[kSubBlock * block + i] * rkj;
+          sk = rnorm[kChunk + kSubBlock * block + i] * rkj;
+        }
+        corr_kk[i * kSubBlock + j] = acc[e] * sk;
+        corr_qk[i * kSubBlock + j] = acc[2 + e] * sq;
+      }
+    }
+  }
+}
+
 // Steps 1-3: l2 norms, gates, cumsum, rescaled operands.
 // Thread (h = tid / 64, cp = tid % 64) owns features 2 cp and 2 cp + 1 of rows [32 h, 32 h + 32):
 // two 16-row blocks, so e and f (which only depend on G inside a block) need nothing from the other
@@ -90,10 +216,6 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
                                                        StageStorage& st, float* rnorm, float* row_stats,
                                                        float (*a_ref)[kHeadDim], int rows, float gate_scale,
                                                        float2 gate_bias, int tid) {
-  if constexpr (kGeneral) {  // zero the corrections (16 KB): pairs not computed below stay 0
-    float4* z = reinterpret_cast<float4*>(smem.inverse_operand);
-    for (int x = tid; x < kTileBytes / 16; x += 128) z[x] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
   // Rows past the sequence end (the last chunk of a sequence only; `rows` is the same for the whole
   // warpgroup): q = k = 0 and a raw gate that means "no decay" (-inf before the sigmoid of the
   // lower-bound form or the softplus form, 0 for given log decays), written over what TMA loaded
@@ -251,76 +373,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       st_bf16x2(st.g, off, kv.x * f0, kv.y * f1);
     }
     if constexpr (kGeneral) {
-      // Exact diagonal-block terms of the wide features: q_i k_j exp2(G_i - G_j) and
-      // k_i k_j exp2(G_i - G_j) for j < i (each factor <= 1), summed over the warp's features
-      // (each lane its two, masked to the wide ones) by the reduce-scatter below; each lane stores
-      // the sum it ends with. Runs only where some lane of the warp has a wide pair in this block
-      // (extreme decays); compile-time row indices keep G0/G1 and the pairs in registers.
-      const bool w0 = wide[bb][0], w1 = wide[bb][1];
-      if (__any_sync(0xffffffffu, w0 || w1)) {
-        const int lane = tid & 31, warp_of_half = (tid >> 5) & 1;
-        // Rows a and b = 16 - a share one vector of 32 terms per lane: slots x < a hold row a's
-        // A_qk terms j = x, slots a <= x < 16 row b's terms j = x - a (a + b = 16), slots 16 + x
-        // the same for A_kk. One reduce-scatter over the warp (five halving steps, 31 shuffles,
-        // independent within a step) leaves lane l with the warp's sum of slot l; eight of them
-        // cover the block's 120 (i, j) pairs (instead of a 5-step shuffle tree per pair and
-        // matrix: 1200 shuffles in dependent chains). A fixed order: deterministic.
-#pragma unroll
-        for (int a = 1; a <= kSubBlock / 2; ++a) {
-          const int b = kSubBlock - a;
-          // The first two halving steps (A_qk slots against A_kk slots, lanes 16 apart; then slots
-          // 8 apart) are taken as the terms are made, so only 8 partial sums are live per lane.
-          const bool kk_half = (lane & kSubBlock) != 0;
-          float t[kSubBlock / 2];
-          const float2 qa = bf16x2_to_float2(qx[a]), ka = bf16x2_to_float2(kx[a]);
-          const float2 qb = bf16x2_to_float2(qx[b]), kb = bf16x2_to_float2(kx[b]);
-#pragma unroll
-          for (int x = 0; x < kSubBlock; ++x) {
-            const bool row_a = x < a;
-            float tqk = 0.f, tkk = 0.f;
-            if (row_a || a != kSubBlock / 2) {  // row 8 pairs with itself: its half only
-              const int ii = row_a ? a : b, jj = row_a ? x : x - a;
-              const float2 qi = row_a ? qa : qb, ki = row_a ? ka : kb;
-              const float2 kj = bf16x2_to_float2(kx[jj]);
-              const float e0 = w0 ? fast_exp2(G0[ii] - G0[jj]) * kj.x : 0.f;
-              const float e1 = w1 ? fast_exp2(G1[ii] - G1[jj]) * kj.y : 0.f;
-              tqk = qi.x * e0 + qi.y * e1;
-              tkk = ki.x * e0 + ki.y * e1;
-            }
-            const float v = (kk_half ? tkk : tqk) + __shfl_xor_sync(0xffffffffu, kk_half ? tqk : tkk, kSubBlock);
-            if (x < kSubBlock / 2) {
-              t[x] = v;
-            } else {  // the second step (slots 8 apart) as soon as both slots exist: 8 live sums
-              const bool upper = (lane & (kSubBlock / 2)) != 0;
-              const int y = x - kSubBlock / 2;
-              const float keep = upper ? v : t[y], give = upper ? t[y] : v;
-              t[y] = keep + __shfl_xor_sync(0xffffffffu, give, kSubBlock / 2);
-            }
-          }
-#pragma unroll
-          for (int step = 2; step < 5; ++step) {
-            const int o = kSubBlock >> step;  // 4, 2, 1 (a counted loop: fully unrolled)
-            const bool upper = (lane & o) != 0;
-#pragma unroll
-            for (int x = 0; x < o; ++x) {
-              const float keep = upper ? t[o + x] : t[x];
-              const float give = upper ? t[x] : t[o + x];
-              t[x] = keep + __shfl_xor_sync(0xffffffffu, give, o);
-            }
-          }
-          const int x = lane & (kSubBlock - 1), which = lane >> 4;  // which: 0 A_qk, 1 A_kk
-          const bool row_a = x < a;
-          if (row_a || a != kSubBlock / 2) {
-            const int ii = row_a ? a : b, jj = row_a ? x : x - a;
-            const int i = row0 + ii;
-            if (i < rows) {
-              float scale = 1.f;
-              if constexpr (kL2Norm) scale = rnorm[which ? kChunk + i : i] * rnorm[kChunk + row0 + jj];
-              wide_corrections(smem, 2 * h + bb, warp_of_half, which)[ii * kSubBlock + jj] = t[0] * scale;
-            }
-          }
-        }
-      }
+      wide_diagonal_terms<kL2Norm>(smem, st, G0, G1, qx, kx, wide[bb][0], wide[bb][1], rnorm, 2 * h + bb, tid);
     }
   }
   // Block-end cumulative decays: the second half adds the first half's total (r_1). General

@@ -145,6 +145,18 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
                : "r"(addr));
 }
 
+// Warp-level tensor-core product D += A B (m16n8k16, bf16 operands, fp32 accumulators). A: the
+// ldmatrix_x4 fragment of a 16x16 row-major tile; B: two registers of an ldmatrix fragment of an
+// [n = 8][k = 16] tile (k contiguous). Lane (g4, t4) holds D rows g4 (d[0], d[1]) and g4 + 8
+// (d[2], d[3]), columns 2 t4 and 2 t4 + 1.
+__device__ __forceinline__ void mma_m16n8k16_bf16(const uint32_t (&a)[4], uint32_t b0, uint32_t b1, float (&d)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // The same four 8x8 matrices, transposed: lane (g4, t4) gets elements (2 t4, g4) and (2 t4 + 1, g4)
 // of each matrix as stored, i.e. the accumulator-layout pair (g4, 2 t4 .. +1) of its transpose.
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
