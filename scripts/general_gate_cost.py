@@ -1,6 +1,7 @@
-"""What the general-gate kernel costs when no 16-token block needs its exact path.
+"""What the general-gate kernel costs, with and without the exact path of wide blocks.
 
-    python scripts/general_gate_cost.py          # needs an SM90 GPU and the built extension
+    python scripts/general_gate_cost.py              # needs an SM90 GPU and the built extension
+    python scripts/general_gate_cost.py --softplus   # the gate-in-kernel table only
 
 Precomputed log decays ``-5 * sigmoid(N(0, 1))`` lie in [-5, 0), so no (block, feature) span
 exceeds the factorised range and the general-gate instantiation (``safe_gate=False``) takes no
@@ -8,6 +9,13 @@ exact diagonal-block term; ``safe_gate=True`` runs the safe-gate instantiation o
 Prints, per shape, the CUDA-event medians of single calls of both (interleaved) and their
 relative difference (the two must agree to rounding). The ratio separates the general prep's own
 cost from the exact path's (docs/perf-notes.md, general gates).
+
+``--softplus`` (also run by default, after the first table): the in-kernel gate, the safe
+lower-bound form (``lower_bound=-5``, ``A_log = log U(1, 16)``) against Kimi-Linear's softplus form
+``-exp(A_log) softplus(g + dt_bias)`` with ``g ~ 2 N(0, 1)``, ``dt_bias ~ 0.5 N(0, 1)`` and three
+decay scales: ``exp(A_log) = 0.05`` for every head (no block is wide: the softplus prep's own cost),
+``A_log ~ N(0, 1)`` per head (the benchmark's draw), and ``exp(A_log) = 20`` for every head (every
+block of every head is wide: the exact path's full cost).
 """
 
 from __future__ import annotations
@@ -56,13 +64,67 @@ def time_shape(B: int, T: int, H: int, reps: int = 30) -> str:
             f"ratio {mg / ms:.2f}; general vs safe o {_rel(o_g, o_s):.1e} state {_rel(s_g, s_s):.1e}")
 
 
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_softplus_shape(B: int, T: int, H: int, reps: int = 20) -> str:
+    """Safe lower-bound gate vs the softplus gate at three decay scales, interleaved calls."""
+    from cula.kda import kda_prefill
+
+    dev = "cuda"
+    q, k, v = (torch.randn(B, T, H, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    beta = torch.sigmoid(torch.randn(B, T, H, device=dev))
+    dt_bias = 0.5 * torch.randn(H * 128, device=dev)
+    g_safe = torch.randn(B, T, H, 128, device=dev).to(torch.bfloat16)
+    g_soft = (2 * torch.randn(B, T, H, 128, device=dev)).to(torch.bfloat16)
+    a_safe = torch.empty(H, device=dev).uniform_(1.0, 16.0).log()
+    runs = {
+        "safe lower_bound=-5": dict(g=g_safe, A_log=a_safe, lower_bound=-5.0, safe_gate=True),
+        "softplus exp(A_log)=0.05 (no wide block)": dict(
+            g=g_soft, A_log=torch.full((H,), float(torch.tensor(0.05).log()), device=dev), safe_gate=False),
+        "softplus A_log~N(0,1) (bench draw)": dict(g=g_soft, A_log=torch.randn(H, device=dev), safe_gate=False),
+        "softplus exp(A_log)=20 (every block wide)": dict(
+            g=g_soft, A_log=torch.full((H,), float(torch.tensor(20.0).log()), device=dev), safe_gate=False),
+    }
+
+    def call(opts: dict) -> None:
+        kda_prefill(q, k, v, opts["g"], beta, A_log=opts["A_log"], dt_bias=dt_bias,
+                    lower_bound=opts.get("lower_bound"), output_final_state=True,
+                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, safe_gate=opts["safe_gate"],
+                    backend="sm90")
+
+    for opts in runs.values():
+        for _ in range(3):
+            call(opts)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(3):  # interleaved rounds: clock drift spreads over all runs alike
+        for name, opts in runs.items():
+            times[name].append(_median_ms(lambda: call(opts), max(1, reps // 3)))
+    base = statistics.median(times["safe lower_bound=-5"])
+    parts = [f"{name} {statistics.median(t):.3f} ms ({statistics.median(t) / base:.2f}x)" for name, t in times.items()]
+    return f"B{B} T{T} H{H}: " + "; ".join(parts)
+
+
 def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
         print("general_gate_cost: needs an SM90 (Hopper) GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
+    if "--softplus" not in sys.argv[1:]:
+        for shape in SHAPES:
+            print(time_shape(*shape), flush=True)
     for shape in SHAPES:
-        print(time_shape(*shape), flush=True)
+        print(time_softplus_shape(*shape), flush=True)
     return 0
 
 

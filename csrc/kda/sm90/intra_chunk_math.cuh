@@ -139,36 +139,43 @@ __device__ __forceinline__ void wide_diagonal_terms(SharedStorage& smem, StageSt
   const uint32_t stg = wide_staging(smem, st, warp);
   const uint32_t st_lane = uint32_t((lane & 3) << 2);  // the lane's 4 bytes in its 16-byte chunk
   const int lm_row = lane & 7, lm_sel = lane >> 3;     // ldmatrix: row within a matrix, matrix
-#pragma unroll
+  // One level per iteration, not unrolled: the kernel's code is larger than the instruction cache,
+  // and its straight-line size, not its instruction count, set the cost of this pass (ncu: the
+  // intra warps stalled on instruction fetch). Register arrays keep compile-time indices (ii);
+  // the level only enters predicates and shared-memory addresses.
+#pragma unroll 1
   for (int level = 0; level < 4; ++level) {
-    const int half = 8 >> level, group = 2 * half;
-    float x0[kSubBlock], x1[kSubBlock];  // exp2(G_i - G_m) (upper rows), exp2(G_m - G_j) (lower)
-#pragma unroll
-    for (int ii = 0; ii < kSubBlock; ++ii) {
-      if (ii & half) {
-        const bool first = (ii & (half - 1)) == 0;
-        x0[ii] = first ? d0[ii] : x0[ii - 1] * d0[ii];
-        x1[ii] = first ? d1[ii] : x1[ii - 1] * d1[ii];
-      }
-    }
-#pragma unroll
-    for (int ii = kSubBlock - 1; ii >= 0; --ii) {
-      if (!(ii & half)) {
-        const bool last = (ii & (half - 1)) == half - 1;  // the boundary row m itself
-        x0[ii] = last ? 1.f : x0[ii + 1] * d0[ii + 1];
-        x1[ii] = last ? 1.f : x1[ii + 1] * d1[ii + 1];
-      }
-    }
+    const int lh = 3 - level, half = 1 << lh;  // rows per half-group: 8, 4, 2, 1
+    // Factors of row ii: exp2(G_ii - G_m) for an upper row (a running product from m + 1 up),
+    // exp2(G_m - G_ii) for a lower row (from m down); m = the last row of its group's lower half.
+    // Staging rows: the u-th upper row's KX to row u and its QX to row 8 + u, the u-th lower row's
+    // KX to row 16 + u, with u = (ii / group) * half + ii % half.
     __syncwarp();  // the previous level's ldmatrix reads are done before the staging is rewritten
+    float run0 = 1.f, run1 = 1.f;
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int i = (u / half) * group + half + (u % half);  // u-th upper row
-      const int j = (u / half) * group + (u % half);         // u-th lower row
-      const float2 qi = bf16x2_to_float2(qx[i] & keep), ki = bf16x2_to_float2(kx[i] & keep);
-      const float2 kj = bf16x2_to_float2(kx[j] & keep);
-      st_shared_u32(stg + wide_staging_offset(u, g4) + st_lane, float2_to_bf16x2(ki.x * x0[i], ki.y * x1[i]));
-      st_shared_u32(stg + wide_staging_offset(8 + u, g4) + st_lane, float2_to_bf16x2(qi.x * x0[i], qi.y * x1[i]));
-      st_shared_u32(stg + wide_staging_offset(16 + u, g4) + st_lane, float2_to_bf16x2(kj.x * x0[j], kj.y * x1[j]));
+    for (int ii = 1; ii < kSubBlock; ++ii) {  // upper rows (row 0 is always a lower row)
+      const bool first = (ii & (half - 1)) == 0;
+      run0 = (first ? 1.f : run0) * d0[ii];
+      run1 = (first ? 1.f : run1) * d1[ii];
+      if (ii & half) {
+        const int u = ((ii >> (lh + 1)) << lh) + (ii & (half - 1));
+        const float2 kv = bf16x2_to_float2(kx[ii] & keep), qv = bf16x2_to_float2(qx[ii] & keep);
+        st_shared_u32(stg + wide_staging_offset(u, g4) + st_lane, float2_to_bf16x2(kv.x * run0, kv.y * run1));
+        st_shared_u32(stg + wide_staging_offset(8 + u, g4) + st_lane, float2_to_bf16x2(qv.x * run0, qv.y * run1));
+      }
+    }
+#pragma unroll
+    for (int ii = kSubBlock - 1; ii >= 0; --ii) {  // lower rows (row 15 is always an upper row)
+      const bool last = (ii & (half - 1)) == half - 1;  // the boundary row m itself
+      if (ii < kSubBlock - 1) {
+        run0 = last ? 1.f : run0 * d0[ii + 1];
+        run1 = last ? 1.f : run1 * d1[ii + 1];
+      }
+      if (!(ii & half)) {
+        const int u = ((ii >> (lh + 1)) << lh) + (ii & (half - 1));
+        const float2 kv = bf16x2_to_float2(kx[ii] & keep);
+        st_shared_u32(stg + wide_staging_offset(16 + u, g4) + st_lane, float2_to_bf16x2(kv.x * run0, kv.y * run1));
+      }
     }
     __syncwarp();
     float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows 0-7: A_kk, 8-15: A_qk; columns: lower rows
@@ -183,12 +190,12 @@ __device__ __forceinline__ void wide_diagonal_terms(SharedStorage& smem, StageSt
     }
     // Lane (g4, t4): upper row u = g4 against lower rows c = 2 t4, 2 t4 + 1; a pair from two
     // different groups of this level belongs to an earlier level and is dropped.
-    const int i = (g4 / half) * group + half + (g4 % half);
+    const int i = ((g4 >> lh) << (lh + 1)) + half + (g4 & (half - 1));
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int c = 2 * t4 + e;
-      if (g4 / half == c / half) {
-        const int j = (c / half) * group + (c % half);
+      if ((g4 >> lh) == (c >> lh)) {
+        const int j = ((c >> lh) << (lh + 1)) + (c & (half - 1));
         float sq = 1.f, sk = 1.f;
         if constexpr (kL2Norm) {
           const float rkj = rnorm[kChunk + kSubBlock * block + j];
@@ -287,9 +294,12 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
   const float icpt0 = slope * gate_bias.x, icpt1 = slope * gate_bias.y;
   const float lb_log2 = p.lower_bound * kLog2e;
   float cum0 = 0.f, cum1 = 0.f;
-  float rb_local[2][2];
+  float rb_local[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
   bool wide[2][2] = {{false, false}, {false, false}};  // general gates: [block of the half][feature]
-#pragma unroll
+  // The two blocks of the thread's half in turn, not unrolled: the body is ~1k instructions and the
+  // kernel's code exceeds the instruction cache (ncu: instruction-fetch stalls), so straight-line
+  // size costs more than the loop. rb_local / wide keep compile-time indices (selects on bb).
+#pragma unroll 1
   for (int bb = 0; bb < 2; ++bb) {
     const int row0 = 32 * h + kSubBlock * bb;
     const float start0 = cum0, start1 = cum1;  // cumulative decay before the block (half-local)
@@ -335,16 +345,23 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       G0[ii] = cum0;
       G1[ii] = cum1;
     }
-    rb_local[bb][0] = cum0;
-    rb_local[bb][1] = cum1;
+    rb_local[0][0] = bb == 0 ? cum0 : rb_local[0][0];
+    rb_local[0][1] = bb == 0 ? cum1 : rb_local[0][1];
+    rb_local[1][0] = cum0;  // the last iteration's values stay
+    rb_local[1][1] = cum1;
     // Reference of each feature's factors: the block's end (e = exp2(G - r_b) >= 1, as with safe
     // gates) or, for a wide feature, its start (exp2(G - r_{b-1}) <= 1).
     float ref0 = cum0, ref1 = cum1;
+    bool wide0 = false, wide1 = false;
     if constexpr (kGeneral) {
-      wide[bb][0] = start0 - cum0 > kWideSpanLog2;
-      wide[bb][1] = start1 - cum1 > kWideSpanLog2;
-      if (wide[bb][0]) ref0 = start0;
-      if (wide[bb][1]) ref1 = start1;
+      wide0 = start0 - cum0 > kWideSpanLog2;
+      wide1 = start1 - cum1 > kWideSpanLog2;
+      if (wide0) ref0 = start0;
+      if (wide1) ref1 = start1;
+      wide[0][0] = bb == 0 ? wide0 : wide[0][0];
+      wide[0][1] = bb == 0 ? wide1 : wide[0][1];
+      wide[1][0] = wide0;
+      wide[1][1] = wide1;
     }
     // The l2-norm reciprocals of four rows at a time as one 16-byte load: the stores below could
     // alias them as far as the compiler knows, so each load waits for the stores before it.
@@ -373,7 +390,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       st_bf16x2(st.g, off, kv.x * f0, kv.y * f1);
     }
     if constexpr (kGeneral) {
-      wide_diagonal_terms<kL2Norm>(smem, st, G0, G1, qx, kx, wide[bb][0], wide[bb][1], rnorm, 2 * h + bb, tid);
+      wide_diagonal_terms<kL2Norm>(smem, st, G0, G1, qx, kx, wide0, wide1, rnorm, 2 * h + bb, tid);
     }
   }
   // Block-end cumulative decays: the second half adds the first half's total (r_1). General
