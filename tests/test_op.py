@@ -307,7 +307,9 @@ def test_compile_pool_layout_error_names_initial_state(seed: int) -> None:
     idx = torch.tensor([4, 1], dtype=torch.int32)
     bad_pool = torch.zeros(6, 4, 8, 8).transpose(2, 3)
     compiled = torch.compile(serving_step, fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match="`initial_state` must be a state pool whose rows are dense"):
+    # Eager raises the ValueError itself; Dynamo (torch 2.11, after other compiled tests in the same
+    # process) may re-raise it as "Observed exception" listing the message's pieces in order.
+    with pytest.raises(Exception, match=r"(?s)initial_state.*must be .*a state pool whose rows are dense"):
         compiled(q, k, v, g, beta, bad_pool, cu, idx, A_log, dt_bias)
 
 
