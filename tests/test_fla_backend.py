@@ -155,6 +155,10 @@ ACCEPT: dict[str, Callable[[], dict[str, Any]]] = {
     "chunk_size-32": lambda: fla_call(chunk_size=32),
     # FLA's default safe_gate=False: the lower bound in [-5, 0) already bounds every decay.
     "safe_gate-False-lower_bound--5": lambda: fla_call(safe_gate=False),
+    # Unbounded decays (safe_gate=False): the kernel's general-gate path, exact.
+    "safe_gate-False-lower_bound--6": lambda: fla_call(safe_gate=False, lower_bound=-6.0),
+    "precomputed-decays-safe_gate-False": lambda: _decays(safe_gate=False),
+    "softplus-gate-safe_gate-False": lambda: fla_call(lower_bound=None, safe_gate=False),
 }
 
 REJECT: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
@@ -164,10 +168,6 @@ REJECT: dict[str, tuple[Callable[[], dict[str, Any]], str]] = {
     "V64": (lambda: fla_call(V=64), "V == 128"),
     "HV-not-multiple-of-H": (lambda: fla_call(H=2, HV=3, A_log=torch.zeros(3), dt_bias=torch.zeros(3 * D)),
                              "multiple of H"),
-    # Unbounded decays: exact on cula's general-gate path, but slower there than FLA's Triton path.
-    "safe_gate-False-lower_bound--6": (lambda: fla_call(safe_gate=False, lower_bound=-6.0), "unbounded"),
-    "precomputed-decays-safe_gate-False": (lambda: _decays(safe_gate=False), "unbounded"),
-    "softplus-gate-safe_gate-False": (lambda: fla_call(lower_bound=None, safe_gate=False), "unbounded"),
     # safe_gate=True promises decays in [-5, 0): a bound below it, or none, contradicts that.
     "lower_bound-below--5": (lambda: fla_call(lower_bound=-6.0), "lower_bound"),
     "softplus-gate-safe_gate-True": (lambda: fla_call(lower_bound=None), "lower_bound"),
@@ -324,11 +324,16 @@ GPU_CASES = {
     # fixed length, MHA, K-first state, probabilities, precomputed decays
     "fixed-mha-decays": dict(B=2, T=500, H=4, HV=4, state_v_first=False, beta_logits=False, cu=None,
                              gate=False),
+    # Kimi-Linear's unbounded softplus gate (safe_gate=False): the kernel's general-gate path
+    "varlen-softplus-gate": dict(T=700, H=2, HV=4, state_v_first=False, beta_logits=False,
+                                 cu=[0, 1, 400, 700], gate="softplus"),
 }
 
 
 def _gpu_call(B: int = 1, T: int = 1000, H: int = 4, HV: int = 8, state_v_first: bool = True,
-              beta_logits: bool = True, cu: list[int] | None = None, gate: bool = True) -> dict[str, Any]:
+              beta_logits: bool = True, cu: list[int] | None = None, gate: bool | str = True) -> dict[str, Any]:
+    """gate: True the lower-bound gate in the kernel, False precomputed decays in [-5, 0),
+    "softplus" Kimi-Linear's unbounded gate (A_log ~ N(0, 1), g ~ 2 N(0, 1), safe_gate=False)."""
     dev = "cuda"
     N = B if cu is None else len(cu) - 1
     kw = fla_call(B=B, T=T, H=H, HV=HV, device=dev, A_log=0.1 * torch.randn(HV, device=dev),
@@ -338,7 +343,10 @@ def _gpu_call(B: int = 1, T: int = 1000, H: int = 4, HV: int = 8, state_v_first:
         kw["cu_seqlens"] = torch.tensor(cu, device=dev, dtype=torch.int64)
     if beta_logits:
         kw.update(beta=torch.randn(B, T, HV, device=dev), use_beta_sigmoid_in_kernel=True)
-    if not gate:
+    if gate == "softplus":
+        kw.update(A_log=torch.randn(HV, device=dev), lower_bound=None, safe_gate=False,
+                  g=(2 * torch.randn(B, T, HV, D, device=dev)).to(torch.bfloat16))
+    elif not gate:
         kw.update(use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
                   g=(-5 * torch.rand(B, T, HV, D, device=dev)).clamp(-5, -1e-3).to(torch.bfloat16))
     return kw

@@ -14,11 +14,12 @@ Importing :mod:`cula.kda` registers cula there when fla-core is installed (:func
 * The verifier accepts exactly the calls the fused SM90 kernel serves: gradients off
   (``torch.inference_mode()`` or ``torch.no_grad()``), q/k/v/g bfloat16 with K = V = 128 on a
   Hopper GPU, any GVA ratio (HV a multiple of H), the in-kernel gate with ``lower_bound`` in
-  [-5, 0) (``safe_gate`` True or False: the bound keeps every decay in range), or precomputed
-  decays with ``safe_gate=True`` (the caller's promise that they lie in [-5, 0)). Unbounded
-  decays (``safe_gate=False`` otherwise: the softplus gate, decays below -5) are rejected with
-  ``UNBOUNDED_GATES_REASON``: :func:`cula.kda.kda_prefill` runs them exactly, but slower than
-  FLA's Triton path today, so FLA keeps them,
+  [-5, 0) (``safe_gate`` True or False: the bound keeps every decay in range), precomputed
+  decays with ``safe_gate=True`` (the caller's promise that they lie in [-5, 0)), and unbounded
+  decays with ``safe_gate=False`` (Kimi-Linear's softplus gate ``-exp(A_log) softplus(g +
+  dt_bias)``, precomputed decays below -5 or ``-inf``): the kernel's general-gate path runs them
+  exactly, 2.3-2.8x faster than FLA's Triton path on the softplus rows of the benchmark (H100,
+  same run; ``docs/perf-notes.md``),
   beta as probabilities or as logits (``use_beta_sigmoid_in_kernel=True``), either state layout
   (``state_v_first``), ``cu_seqlens`` (int32 or int64). It runs the same validation as
   :func:`cula.kda.kda_prefill` (one rule per argument, in :mod:`cula.kda.prefill`), so its
@@ -61,12 +62,6 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 BACKEND_TYPE = "cula"
-# Unbounded decays (safe_gate=False without a lower_bound in [-5, 0)) run exactly on cula's
-# general-gate path, but when most 16-token blocks span more than the factorised exponentials
-# allow (softplus gates), that path measured 2.6-3.3x the safe-gate time on an H100, and 0.94x
-# FLA's own Triton path at B=2 T=8192 H=64 (docs/perf-notes.md), so FLA keeps those calls.
-UNBOUNDED_GATES_REASON = ("safe_gate=False with unbounded decays (no lower_bound in [-5, 0)): cula's "
-                          "general-gate path is exact but slower than FLA's Triton path there")
 ENV_VAR = "FLA_CULA"
 #: FLA asks backends lowest priority first; FlashKDA registers with 3.
 PRIORITY = 2
@@ -205,8 +200,7 @@ def verify_chunk_kda(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
         plan = _prefill._plan(**mapped, backend="sm90")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as exc:
         return False, _reason(exc)
-    if not plan.bounded_decays:
-        return False, UNBOUNDED_GATES_REASON
+    del plan  # validated; bounded or not, the fused kernel serves it (general gates: exact path)
     return True, None
 
 
