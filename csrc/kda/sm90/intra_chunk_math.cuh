@@ -23,6 +23,7 @@
 //   9. arrive on the stage's `ready` barrier.
 #pragma once
 
+#include "kda_prefill_sm90.h"
 #include "kernel_params.cuh"
 #include "shared_storage.cuh"
 #include "sm90_primitives.cuh"
@@ -218,11 +219,12 @@ __device__ __forceinline__ void wide_diagonal_terms(SharedStorage& smem, StageSt
 // (block, feature) pairs store q and k against the block's start instead of its end (both
 // factors <= 1), get their diagonal-block terms exactly (wide_corrections), and record their
 // reference in a_ref (r_{b-1} instead of r_b) for the A products and step 6.
-template <bool kGateInKernel, bool kL2Norm, bool kGeneral = false>
+template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe>
 __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, SharedStorage& smem,
                                                        StageStorage& st, float* rnorm, float* row_stats,
                                                        float (*a_ref)[kHeadDim], int rows, float gate_scale,
                                                        float2 gate_bias, int tid) {
+  constexpr bool kGeneral = kDecays != Decays::kSafe;
   // Rows past the sequence end (the last chunk of a sequence only; `rows` is the same for the whole
   // warpgroup): q = k = 0 and a raw gate that means "no decay" (-inf before the sigmoid of the
   // lower-bound form or the softplus form, 0 for given log decays), written over what TMA loaded
@@ -318,7 +320,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       const float2 x = bf16x2_to_float2(gx[ii]);
       float g0, g1;
       if constexpr (kGateInKernel) {
-        if (kGeneral && p.gate_softplus) {
+        if constexpr (kDecays == Decays::kGeneralSoftplus) {
           // -exp(A_log) softplus(g + dt_bias), in log2 units: softplus(y) log2(e) =
           // max(y, 0) log2(e) + log2(1 + exp2(-|y| log2(e))). A raw -inf (a row past the end)
           // gives softplus = 0: no decay.
@@ -540,7 +542,7 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 // KT exp2(r_3 - r_b) (both factors <= 1, for general gates too: KT is referenced to the block end
 // either way), so that the owner's state update is one batch of products instead of four Horner
 // steps (state_math.cuh).
-template <bool kGateInKernel, bool kL2Norm, bool kGeneral = false, bool kFoldDecay = false>
+template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedStorage& smem, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer) {
   const int warp = tid >> 5, lane = tid & 31;
@@ -548,7 +550,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
   float* rnorm = reinterpret_cast<float*>(smem.intra_scratch + kRnormOffset);
   float* row_stats = reinterpret_cast<float*>(smem.intra_scratch + kRowStatsOffset);
   float* diag = reinterpret_cast<float*>(smem.intra_scratch + kDiagOffset);
-    intra_prepare_operands<kGateInKernel, kL2Norm, kGeneral>(p, smem, st, rnorm, row_stats, smem.a_ref, rows,
+    constexpr bool kGeneral = kDecays != Decays::kSafe;
+    intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, smem, st, rnorm, row_stats, smem.a_ref, rows,
                                                              gate_scale, gate_bias, tid);
     timer.mark(1);
 
@@ -743,7 +746,7 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
 // kChunkSlots: a helper of the cooperative mode (chunk_workspace.cuh): the producer announces each
 // chunk's row count and value head in its stage (rows -1: none left) instead of the warpgroup
 // walking tiles, and the storer takes the finished stage.
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, bool kGeneral = false>
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, Decays kDecays = Decays::kSafe>
 __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kIntra);
@@ -766,7 +769,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           gate_head = v_head;
         }
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kGeneral, true>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kDecays, true>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
         fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
       }
       cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer (also the end mark)
@@ -784,7 +787,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         const int rows = tile.chunk_rows(c);
         cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kGeneral>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kDecays>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
         // Step 9: hand the stage to the state warpgroups.
         fence_smem_to_async_proxy();
         cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);

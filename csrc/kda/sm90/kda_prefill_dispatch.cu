@@ -192,13 +192,16 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
     kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes;  // the stages
     if ((err = cudaMemsetAsync(p.workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
     if (p.general_gates) {
+      constexpr auto kCoopPass = sm90::KernelPass::kCooperative;
+      constexpr auto kGen = sm90::Decays::kGeneral, kSoft = sm90::Decays::kGeneralSoftplus;
+      if (p.use_gate_in_kernel && p.gate_softplus)
+        return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, kCoopPass, kSoft>(kp, sm_count, stream)
+                               : sm90::launch_kda_prefill_kernel<true, false, false, kCoopPass, kSoft>(kp, sm_count, stream);
       if (p.use_gate_in_kernel)
-        return p.use_qk_l2norm
-                   ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kCooperative, true>(kp, sm_count, stream)
-                   : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kCooperative, true>(kp, sm_count, stream);
-      return p.use_qk_l2norm
-                 ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kCooperative, true>(kp, sm_count, stream)
-                 : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kCooperative, true>(kp, sm_count, stream);
+        return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, kCoopPass, kGen>(kp, sm_count, stream)
+                               : sm90::launch_kda_prefill_kernel<true, false, false, kCoopPass, kGen>(kp, sm_count, stream);
+      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false, kCoopPass, kGen>(kp, sm_count, stream)
+                             : sm90::launch_kda_prefill_kernel<false, false, false, kCoopPass, kGen>(kp, sm_count, stream);
     }
     if (p.use_gate_in_kernel)
       return p.use_qk_l2norm
@@ -225,11 +228,16 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   // the longest-first ones for batches of short sequences).
   if (p.general_gates) {
     const int grid = int(std::min<int64_t>(num_tiles, INT_MAX));
+    constexpr auto kFusedPass = sm90::KernelPass::kFused;
+    constexpr auto kGen = sm90::Decays::kGeneral, kSoft = sm90::Decays::kGeneralSoftplus;
+    if (p.use_gate_in_kernel && p.gate_softplus)
+      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, kFusedPass, kSoft>(kp, grid, stream)
+                             : sm90::launch_kda_prefill_kernel<true, false, false, kFusedPass, kSoft>(kp, grid, stream);
     if (p.use_gate_in_kernel)
-      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kFused, true>(kp, grid, stream)
-                             : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kFused, true>(kp, grid, stream);
-    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kFused, true>(kp, grid, stream)
-                           : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kFused, true>(kp, grid, stream);
+      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, kFusedPass, kGen>(kp, grid, stream)
+                             : sm90::launch_kda_prefill_kernel<true, false, false, kFusedPass, kGen>(kp, grid, stream);
+    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false, kFusedPass, kGen>(kp, grid, stream)
+                           : sm90::launch_kda_prefill_kernel<false, false, false, kFusedPass, kGen>(kp, grid, stream);
   }
   const bool longest_first = !force_index && num_tiles > sm_count && num_tiles <= INT_MAX &&
                              p.num_seqs <= sm90::kSortMaxSeqs && (short_sequences || force_longest_first);

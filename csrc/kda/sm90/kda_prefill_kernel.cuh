@@ -37,7 +37,7 @@ static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "regis
 constexpr uint32_t kOwnerStateRegs = 232;
 static_assert(2 * kProducerRegs + 2 * kOwnerStateRegs <= 65536 / 128, "register budget of an owner CTA");
 
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, bool kGeneral>
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
   static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the cooperative mode uses index order for its owners");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -97,13 +97,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     if constexpr (kCoop) {
       if (helper) {
         cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kGeneral>(kp, smem);
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem);
       } else {
         cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();  // for the owner's state warpgroups
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-      run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, kGeneral>(kp, smem);
+      run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, kDecays>(kp, smem);
     }
   } else if (helper) {
     if constexpr (kCoop) {

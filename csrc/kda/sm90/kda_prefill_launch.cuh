@@ -12,9 +12,9 @@
 
 namespace cula::kda::sm90 {
 
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, bool kGeneral>
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays>
 cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream) {
-  auto kernel = kda_prefill_sm90_kernel<kGateInKernel, kL2Norm, kLongestFirst, kPass, kGeneral>;
+  auto kernel = kda_prefill_sm90_kernel<kGateInKernel, kL2Norm, kLongestFirst, kPass, kDecays>;
   // The shared-memory opt-in is per device: remember it per device ordinal (idempotent, so two
   // threads racing to set it is harmless).
   static std::atomic<uint64_t> attribute_set_mask{0};

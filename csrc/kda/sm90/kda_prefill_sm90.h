@@ -25,9 +25,17 @@ const char* kda_prefill_sm90_last_error();
 namespace sm90 {
 struct KdaKernelParams;
 enum class KernelPass : int;
-// One per file under instantiations/ (kda_prefill_launch.cuh). kGeneral: general gates
-// (safe_gate=False), index order and cooperative mode only.
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, bool kGeneral = false>
+// Which decays an instantiation is built for (docs/kernel.md, "General gates"). The softplus gate
+// has its own instantiations so that none carries the code of both gate forms: the kernel's code
+// exceeds the instruction cache, and its size shows in the time (docs/perf-notes.md).
+enum class Decays : int {
+  kSafe = 0,             // every log decay known to lie in [-5, 0): the factorised path only
+  kGeneral = 1,          // unbounded: given decays, or the lower-bound gate with lower_bound < -5
+  kGeneralSoftplus = 2,  // unbounded: Kimi-Linear's gate -exp(A_log) softplus(g + dt_bias)
+};
+// One per file under instantiations/ (kda_prefill_launch.cuh). General decays: index order and
+// cooperative mode only.
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays = Decays::kSafe>
 cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream);
 }  // namespace sm90
 
