@@ -298,10 +298,12 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
   float cum0 = 0.f, cum1 = 0.f;
   float rb_local[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
   bool wide[2][2] = {{false, false}, {false, false}};  // general gates: [block of the half][feature]
-  // The two blocks of the thread's half in turn, not unrolled: the body is ~1k instructions and the
-  // kernel's code exceeds the instruction cache (ncu: instruction-fetch stalls), so straight-line
-  // size costs more than the loop. rb_local / wide keep compile-time indices (selects on bb).
-#pragma unroll 1
+  // The two blocks of the thread's half in turn. General gates: not unrolled, the body (with the
+  // exact pass) is ~2k instructions and that kernel's code exceeded the instruction cache (ncu:
+  // instruction-fetch stalls; rolling it took the softplus rows from 1.9x to 1.35x the safe-gate
+  // time together with the unrolled levels of the exact pass). The safe-gate kernels keep it
+  // unrolled, as measured before. rb_local / wide keep compile-time indices (selects on bb).
+#pragma unroll(kGeneral ? 1 : 2)
   for (int bb = 0; bb < 2; ++bb) {
     const int row0 = 32 * h + kSubBlock * bb;
     const float start0 = cum0, start1 = cum1;  // cumulative decay before the block (half-local)
