@@ -37,9 +37,10 @@ constexpr float kL2NormEps = 1e-6f;
 // General gates (safe_gate=False: decays unbounded below), docs/kernel.md "General gates":
 // log2 decays are floored here (a -inf channel still resets: exp2(-200) is 0 in float32, while
 // every difference of cumulative sums stays finite), and a (16-row block, feature) whose decay
-// over the block exceeds kWideSpanLog2 is "wide": its diagonal-block terms are computed exactly,
-// element by element, instead of through the block-end factorisation (whose e = exp2(G - r_b)
-// would overflow). Same constants as cula/kda/reference.py (GATE_FLOOR_LOG2, DIAG_SPAN_MAX_LOG2).
+// over the block exceeds kWideSpanLog2 is "wide": its diagonal-block terms are computed exactly
+// (wide_diagonal_terms: each pair factored through its own split row, on the tensor cores)
+// instead of through the block-end factorisation (whose e = exp2(G - r_b) would overflow). Same
+// constants as cula/kda/reference.py (GATE_FLOOR_LOG2, DIAG_SPAN_MAX_LOG2).
 constexpr float kGateFloorLog2 = -200.f;
 constexpr float kWideSpanLog2 = 100.f;
 
