@@ -301,8 +301,8 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
   bool wide[2][2] = {{false, false}, {false, false}};  // general gates: [block of the half][feature]
   // The two blocks of the thread's half in turn. General gates: not unrolled, the body (with the
   // exact pass) is ~2k instructions and that kernel's code exceeded the instruction cache (ncu:
-  // instruction-fetch stalls; rolling it took the softplus rows from 1.9x to 1.35x the safe-gate
-  // time together with the unrolled levels of the exact pass). The safe-gate kernels keep it
+  // instruction-fetch stalls; with the exact pass's levels unrolled inside it, the softplus rows
+  // went from ~2.0x to ~1.3x the safe-gate time: docs/perf-notes.md). The safe-gate kernels keep it
   // unrolled, as measured before. rb_local / wide keep compile-time indices (selects on bb).
 #pragma unroll(kGeneral ? 1 : 2)
   for (int bb = 0; bb < 2; ++bb) {
