@@ -196,11 +196,11 @@ def verify_chunk_kda(*args: Any, **kwargs: Any) -> tuple[bool, str | None]:
         return False, ("cula runs the forward pass only: call chunk_kda under torch.inference_mode() "
                        "or torch.no_grad()")
     try:
-        mapped = to_kda_prefill(args, kwargs)
-        plan = _prefill._plan(**mapped, backend="sm90")
+        # The same validation as kda_prefill; bounded decays or not, the fused kernel serves what
+        # passes it (unbounded ones on its general-gate path).
+        _prefill._plan(**to_kda_prefill(args, kwargs), backend="sm90")
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as exc:
         return False, _reason(exc)
-    del plan  # validated; bounded or not, the fused kernel serves it (general gates: exact path)
     return True, None
 
 
