@@ -14,8 +14,8 @@ GPU cu_seqlens holding bad values (decreasing, negative, past the end of the tok
 kernel must clamp to [0, T] without touching memory outside its tensors (memcheck is the check);
 finally two configurations and the bad cu_seqlens again in the cooperative mode
 (CULA_KDA_COOPERATIVE=1: helper CTAs compute the chunks and hand them to the tile owners through a
-global workspace), with one owner per tile and with two (CULA_KDA_VALUE_SPLIT=2: each owner on
-half of the value columns).
+global workspace), with one owner per tile, with two (CULA_KDA_VALUE_SPLIT=1 / =2: each owner on
+half of the value columns) and with the kernel's choice per tile (unset).
 Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the GPU work that
 the sanitizer instruments is the copies and the kernel itself.
 
@@ -170,14 +170,14 @@ def main() -> int:
     del os.environ["CULA_KDA_SCHEDULE"]
     results.append(run_bad_cu_seqlens())
     os.environ["CULA_KDA_COOPERATIVE"] = "1"
-    print("sanitizer_case: CULA_KDA_COOPERATIVE=1", flush=True)
-    results += [run_one(*cfg) for cfg in CONFIGS[:2]]
-    results.append(run_bad_cu_seqlens())
-    os.environ["CULA_KDA_VALUE_SPLIT"] = "2"
-    print("sanitizer_case: CULA_KDA_COOPERATIVE=1 CULA_KDA_VALUE_SPLIT=2", flush=True)
-    results += [run_one(*cfg) for cfg in CONFIGS[:2]]
-    results.append(run_bad_cu_seqlens())
-    del os.environ["CULA_KDA_VALUE_SPLIT"]
+    for split in ("1", "2", None):  # None: one or two owners per tile, as the kernel's model decides
+        if split is None:
+            os.environ.pop("CULA_KDA_VALUE_SPLIT", None)
+        else:
+            os.environ["CULA_KDA_VALUE_SPLIT"] = split
+        print(f"sanitizer_case: CULA_KDA_COOPERATIVE=1 CULA_KDA_VALUE_SPLIT={split or '(unset)'}", flush=True)
+        results += [run_one(*cfg) for cfg in CONFIGS[:2]]
+        results.append(run_bad_cu_seqlens())
     del os.environ["CULA_KDA_COOPERATIVE"]
     print(f"sanitizer_case: {sum(results)}/{len(results)} calls matched the reference", flush=True)
     return 0 if all(results) else 1

@@ -196,27 +196,30 @@ def test_cula_schedule_rule():
 
 
 def test_cula_cooperative_rule():
-    """Few tiles (at most 0.4 x the SMs) with at least four chunks of tokens: cooperative; at
-    most SMs / 8 tiles: two owners per tile (value split)."""
-    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="") == "cooperative-split"
+    """Few tiles (at most 0.4 x the SMs) with at least four chunks of tokens: cooperative, with
+    the value split decided per tile by the kernel while two CTAs per tile leave a helper;
+    CULA_KDA_VALUE_SPLIT=1 / 2 force one / two owners per tile."""
+    on_device = "cooperative-split-on-device"
+    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="") == on_device
     assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="",
                          value_split="1") == "cooperative"
-    assert cula_schedule(Config("fixed", 1, 8192, 16, 16), 132, forced="", cooperative="") == "cooperative-split"
-    assert cula_schedule(Config("fixed", 1, 8192, 17, 17), 132, forced="", cooperative="") == "cooperative"
+    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="",
+                         value_split="2") == "cooperative-split"
+    assert cula_schedule(Config("fixed", 1, 8192, 16, 16), 132, forced="", cooperative="") == on_device
+    assert cula_schedule(Config("fixed", 1, 8192, 52, 52), 132, forced="", cooperative="") == on_device
     assert cula_schedule(Config("fixed", 1, 8192, 52, 52), 132, forced="", cooperative="",
                          value_split="2") == "cooperative-split"
     assert cula_schedule(Config("fixed", 1, 8192, 66, 66), 132, forced="", cooperative="1",
                          value_split="2") == "cooperative"  # two owners per tile would leave no helper
-    assert cula_schedule(Config("fixed", 1, 8192, 52, 52), 132, forced="", cooperative="") == "cooperative"
     assert cula_schedule(Config("fixed", 1, 8192, 53, 53), 132, forced="", cooperative="") == "index"
     assert cula_schedule(Config("fixed", 1, 8192, 64, 64), 132, forced="", cooperative="") == "index"
     assert cula_schedule(Config("fixed", 1, 255, 4, 4), 132, forced="", cooperative="") == "index"
     assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="0") == "index"
-    assert cula_schedule(Config("fixed", 1, 8192, 64, 64), 132, forced="", cooperative="1") == "cooperative"
+    assert cula_schedule(Config("fixed", 1, 8192, 64, 64), 132, forced="", cooperative="1") == on_device
     assert cula_schedule(Config("fixed", 2, 8192, 66, 66), 132, forced="", cooperative="1") == "index"
     # the workspace (one 73.5 KiB stage per chunk and head) past 4 GiB: fused
     assert cula_schedule(Config("small", 1, 2 ** 20, 8, 8), 132, forced="", cooperative="") == "index"
-    assert cula_schedule(Config("small", 1, 2 ** 18, 8, 8), 132, forced="", cooperative="") == "cooperative-split"
+    assert cula_schedule(Config("small", 1, 2 ** 18, 8, 8), 132, forced="", cooperative="") == on_device
 
 
 def _fake_flash_kda_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,

@@ -12,8 +12,10 @@ mode (read per call), so every case here runs both:
   into KT (one more bf16 rounding) so that the owners update the state in one batch; a chunk at
   the wrong slot or a stale stage is off by O(1).
 
-Every case runs with one owner per tile and with two (``CULA_KDA_VALUE_SPLIT``: each owner on half
-of the value columns, the default for at most SMs / 8 tiles).
+Every case runs with one owner per tile, with two (``CULA_KDA_VALUE_SPLIT=1`` / ``=2``: each owner
+on half of the value columns) and with the default, where the kernel gives each tile one or two
+owners by its model of the sequence lengths (``tile_has_two_owners``: in the varlen mixes the long
+sequences' tiles get two, the short ones' one).
 
 Cases: sequences shorter than one chunk, lengths on and off chunk edges, one head (131 helpers on
 one tile), varlen mixes of long, short, length-1 and empty sequences with initial states, both
@@ -59,14 +61,16 @@ def _run(inp: dict, cooperative: str, monkeypatch, value_split: str | None = Non
     return run_sm90(inp)
 
 
-#: ``CULA_KDA_VALUE_SPLIT``: one owner per tile, or two (each on half of the value columns).
-SPLITS = [pytest.param("1", id="one_owner"), pytest.param("2", id="two_owners")]
+#: ``CULA_KDA_VALUE_SPLIT``: one owner per tile, two (each on half of the value columns), or unset:
+#: one or two per tile as the kernel's model decides.
+SPLITS = [pytest.param("1", id="one_owner"), pytest.param("2", id="two_owners"),
+          pytest.param(None, id="split_on_device")]
 
 
 @gpu_sm90
 @pytest.mark.parametrize("value_split", SPLITS)
 @pytest.mark.parametrize("spec", [pytest.param(s, id=s.id) for s in CASES])
-def test_cooperative_matches_fused_and_reference(spec: Spec, value_split: str, seed: int, monkeypatch):
+def test_cooperative_matches_fused_and_reference(spec: Spec, value_split: str | None, seed: int, monkeypatch):
     inp = make_inputs(spec)
     o_fused, s_fused = _run(inp, "0", monkeypatch)
     o, s = _run(inp, "1", monkeypatch, value_split)
@@ -76,19 +80,24 @@ def test_cooperative_matches_fused_and_reference(spec: Spec, value_split: str, s
 
 
 @gpu_sm90
-def test_value_split_is_bitwise_one_owner(seed: int, monkeypatch):
+@pytest.mark.parametrize("lengths,HV", [([2000, 1, 0, 700], 4), ([6000, 37, 100, 1], 8)], ids=["mix", "long_short"])
+def test_value_split_is_bitwise_one_owner(lengths: list[int], HV: int, seed: int, monkeypatch):
     """Two owners per tile run the same arithmetic on the same published stages as one: each value
-    column's results are bitwise those of the single owner (columns never mix)."""
-    spec = varlen("split", [2000, 1, 0, 700], H=2, HV=4, h0=True, layout="vk")
+    column's results are bitwise those of the single owner (columns never mix), whether every tile
+    has two owners or the kernel picks per tile (here: two for the long sequences' tiles, one for
+    the short and empty ones)."""
+    spec = varlen("split", lengths, H=2, HV=HV, h0=True, layout="vk")
     inp = make_inputs(spec)
     o1, s1 = _run(inp, "1", monkeypatch, "1")
     o2, s2 = _run(inp, "1", monkeypatch, "2")
+    o3, s3 = _run(inp, "1", monkeypatch, None)
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    assert torch.equal(o1, o3) and torch.equal(s1, s3)
 
 
 @gpu_sm90
 @pytest.mark.parametrize("value_split", SPLITS)
-def test_long_sequence_with_initial_state(value_split: str, seed: int, monkeypatch):
+def test_long_sequence_with_initial_state(value_split: str | None, seed: int, monkeypatch):
     """T = 65536 on one head: 1024 chunks computed by 130-131 helpers, 1024 steps of recurrence."""
     spec = Spec(B=1, T=65536, H=1, HV=1, h0=True, layout="kv")
     inp = make_inputs(spec)
@@ -102,7 +111,7 @@ def test_cooperative_is_the_default_for_few_tiles(seed: int, monkeypatch):
     one."""
     spec = Spec(B=1, T=700, H=2, HV=4, h0=True)
     inp = make_inputs(spec)
-    o_forced, s_forced = _run(inp, "1", monkeypatch, "2")  # 8 tiles <= SMs / 8: two owners each
+    o_forced, s_forced = _run(inp, "1", monkeypatch, "2")  # 8 equal tiles: two owners each by the model
     monkeypatch.delenv("CULA_KDA_COOPERATIVE")
     monkeypatch.delenv("CULA_KDA_VALUE_SPLIT")
     o_auto, s_auto = run_sm90(inp)
@@ -111,7 +120,7 @@ def test_cooperative_is_the_default_for_few_tiles(seed: int, monkeypatch):
 
 @gpu_sm90
 @pytest.mark.parametrize("value_split", SPLITS)
-def test_deterministic(value_split: str, seed: int, monkeypatch):
+def test_deterministic(value_split: str | None, seed: int, monkeypatch):
     spec = varlen("det", [1500, 3, 700], H=2, HV=4, h0=True)
     inp = make_inputs(spec)
     o1, s1 = _run(inp, "1", monkeypatch, value_split)
@@ -125,7 +134,7 @@ def test_cuda_graph(seed: int, monkeypatch):
     """Captured with its workspace from the graph's pool; a replay on new inputs written in place
     equals the eager call on them."""
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
-    monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)  # 6 tiles: two owners each
+    monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)  # the model: two owners for the 900-token tiles
     spec = varlen("graph", [900, 64, 1], H=2, HV=4, h0=True)
     inp = make_inputs(spec)
     run_sm90(inp)  # warm-up outside the capture

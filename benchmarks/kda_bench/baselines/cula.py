@@ -31,10 +31,12 @@ def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
     0.4 x the SMs and there are at least four chunks of tokens (or ``CULA_KDA_COOPERATIVE=1``,
     with fewer tiles than SMs; ``=0`` never); else "longest-first" (persistent CTAs) when there are
     more tiles than SMs and the mean sequence is short (or ``CULA_KDA_SCHEDULE=longest_first``);
-    else "index" (one CTA per tile). A cooperative launch with two owners per tile (each on half
-    of the value columns: at most SMs / 8 tiles, or ``CULA_KDA_VALUE_SPLIT=2`` while two owners
-    per tile leave a helper; ``=1`` never) is "cooperative-split". ``forced`` / ``cooperative`` /
-    ``value_split``: the values of those variables (read from the environment when None)."""
+    else "index" (one CTA per tile). A cooperative launch whose kernel gives each tile one or two
+    owners (each on half of the value columns) by its model of the sequence lengths is
+    "cooperative-split-on-device" (the default while two CTAs per tile leave a helper); with
+    ``CULA_KDA_VALUE_SPLIT=2`` every tile has two owners ("cooperative-split"), with ``=1`` one
+    ("cooperative"). ``forced`` / ``cooperative`` / ``value_split``: the values of those
+    variables (read from the environment when None)."""
     if forced is None:
         forced = os.environ.get(SCHEDULE_ENV)
     if cooperative is None:
@@ -50,12 +52,9 @@ def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
     elif cooperative == "1":
         coop = True
     if coop and tokens > 0 and tiles < sm_count and workspace <= MAX_COOPERATIVE_WORKSPACE_BYTES:
-        split = 8 * tiles <= sm_count
-        if value_split == "1":
-            split = False
-        elif value_split == "2":
-            split = True
-        return "cooperative-split" if split and 2 * tiles < sm_count else "cooperative"
+        if value_split == "1" or 2 * tiles >= sm_count:
+            return "cooperative"
+        return "cooperative-split" if value_split == "2" else "cooperative-split-on-device"
     short = cfg.B * cfg.T < LONGEST_FIRST_MAX_MEAN_TOKENS * cfg.N
     longest_first = (forced != "index" and tiles > sm_count and cfg.N <= SORT_MAX_SEQS
                      and (short or forced == "longest_first"))

@@ -51,13 +51,14 @@ __device__ __forceinline__ int* claim_counter(const KdaKernelParams& kp, int til
 }
 
 // Helper producer (one warp). Starts with tile (helper index mod tiles), so every tile has a
-// helper from the start, and moves to the next tile when that one has no chunk left. A chunk is
-// claimed only once a stage is free for it.
+// helper from the start, or, the second CTA of a tile with one owner, with that tile; moves to the
+// next tile when one has no chunk left. A chunk is claimed only once a stage is free for it.
 __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
   const int tiles = kp.coop.tiles;
-  const int first_tile = (int(blockIdx.x) - kp.coop.owners) % tiles;
+  const int b = int(blockIdx.x);
+  const int first_tile = b >= kp.coop.owners ? (b - kp.coop.owners) % tiles : b / kp.coop.value_split;
   PipelineState pipe;
   if (lane == 0) {  // the mode runs only with tokens, so the descriptors exist
     cute::prefetch_tma_descriptor(&kp.tma_q);

@@ -101,14 +101,19 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
   // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a
   // chunk in ~12-13 us and the owner's chain takes ~2.6 us per chunk (docs/perf-notes.md), so a
-  // tile needs ~5 helpers to keep one owner busy and more for a faster one: split when the
-  // helpers left number at least 6 per tile (tiles <= SMs / 8). CULA_KDA_VALUE_SPLIT=1 / =2 (read
-  // per call) forces either (2: while two owners per tile leave at least one helper).
-  int split = num_tiles * 8 <= sm_count ? 2 : 1;
+  // tile needs ~5 helpers to keep one owner busy and more for a faster one. Which tiles those are
+  // depends on the sequence lengths, which only the device reads: the owner region has two CTAs
+  // per tile and the kernel gives a tile its second owner by a model of the launch
+  // (tile_scheduler.cuh: tile_has_two_owners); a tile with one owner lends its second CTA to the
+  // helpers. CULA_KDA_VALUE_SPLIT=1 / =2 (read per call) forces one owner per tile / two for every
+  // tile (2: while two owners per tile leave at least one helper).
+  int split = 2;
+  bool split_on_device = true;
   const char* split_env = std::getenv("CULA_KDA_VALUE_SPLIT");
   if (split_env != nullptr && std::strcmp(split_env, "1") == 0) split = 1;
-  if (split_env != nullptr && std::strcmp(split_env, "2") == 0) split = 2;
+  if (split_env != nullptr && std::strcmp(split_env, "2") == 0) split_on_device = false;
   if (2 * num_tiles >= sm_count) split = 1;
+  plan.coop.split_on_device = split == 2 && split_on_device;
   plan.coop.value_split = split;
   plan.coop.owners = int(num_tiles) * split;
   plan.stage_bytes = size_t(slots) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);

@@ -9,9 +9,9 @@
 // producer). setmaxnreg moves registers from the producer to the math warpgroups.
 //
 // The cooperative mode (few tiles; kernel_params.cuh: KernelPass) launches the same kernel with one
-// CTA per SM: in the tile owners (blockIdx.x < owners) warpgroup 0's producer reads finished stages
-// from the workspace (full -> state directly), warpgroups 2 and 3 run as above (with a value
-// split, two owners per tile, each running only its half's warpgroup), and warpgroup 1 exits at
+// CTA per SM: in the tile owners (cooperative_role in tile_scheduler.cuh) warpgroup 0's producer
+// reads finished stages from the workspace (full -> state directly), warpgroups 2 and 3 run as
+// above (with a value split, two owners per tile, each running only its half's warpgroup), and warpgroup 1 exits at
 // once; in the helpers, warpgroup 0's producer claims chunks, warpgroup 1 runs as above, and one
 // thread of warpgroup 2 (the storer) publishes each finished stage to the workspace
 // (chunk_workspace.cuh); the rest of warpgroups 2 and 3 exits at once.
@@ -42,8 +42,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
   static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the cooperative mode uses index order for its owners");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kCoop = kPass == KernelPass::kCooperative;
-  // Cooperative mode: CTAs past the tiles are helpers (uniform per CTA).
-  const bool helper = kCoop && int(blockIdx.x) >= kp.coop.owners;
+  // Cooperative mode: owner of a tile (or of half of one) or helper (uniform per CTA).
+  CooperativeRole coop_role;
+  if constexpr (kCoop) coop_role = cooperative_role(kp);
+  const bool helper = kCoop && coop_role.helper;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
   // __shared__ array itself: a round trip through an integer would hide from the compiler that the
@@ -60,7 +62,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
       // Released by both state warpgroups, in a cooperative helper by the storer thread, in an
       // owner of half a tile (value split) by its one state warpgroup.
-      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : (kCoop && kp.coop.value_split == 2) ? 128 : 256);
+      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : (kCoop && coop_role.half >= 0) ? 128 : 256);
     }
     if constexpr (kLongestFirst) {
 #pragma unroll
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
   } else {  // kState0, kState1: one half of the value columns each
     const int half = int(role) - int(WarpgroupRole::kState0);
     // An owner of half a tile (value split: owners 2t and 2t + 1) runs only that half's warpgroup.
-    if (kCoop && kp.coop.value_split == 2 && half != int(blockIdx.x) % 2) return;
+    if (kCoop && coop_role.half >= 0 && half != coop_role.half) return;
     if constexpr (kCoop) {
       cutlass::arch::warpgroup_reg_alloc<kOwnerStateRegs>();
       run_owner_state_warpgroup(kp, smem, half);

@@ -48,11 +48,19 @@ enum class KernelPass : int { kFused = 0, kCooperative = 1 };
 // same published stages. Each owner then issues half of the tile's tensor-core work per chunk, so
 // the state chain, which sets the pace once a tile has enough helpers, gets shorter; the price is
 // a second read of each stage (from L2) and one SM per tile fewer among the helpers.
+//
+// With value_split == 2 the CTAs [0, 2 tiles) are the owner region; with split_on_device the
+// kernel decides per tile whether CTA 2t + 1 is tile t's second owner or a helper
+// (tile_has_two_owners in tile_scheduler.cuh: a model of the launch's time from the sequence
+// lengths, which only the device reads), so one long prompt batched with short ones gets two
+// owners for its heads and the short ones give their second CTA to the helpers. Without it every
+// tile of the region has two owners (CULA_KDA_VALUE_SPLIT=2).
 struct CooperativePlan {
   int64_t slots_per_head = 0;  // ceil(tokens / 64) + N
   int tiles = 0;               // (sequence, value head) tiles; 0 in the fused kernel
-  int value_split = 1;         // owners per tile: 1, or 2 (one state warpgroup each)
-  int owners = 0;              // tiles x value_split: CTAs [0, owners) own a tile (or a half of one)
+  int value_split = 1;         // CTAs per tile in the owner region: 1, or 2 (one state warpgroup each)
+  bool split_on_device = false;  // value_split == 2: each tile's second CTA is an owner or a helper by the model
+  int owners = 0;              // tiles x value_split: CTAs [0, owners) are the owner region
   int* sync = nullptr;
 };
 

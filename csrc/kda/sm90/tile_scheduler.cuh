@@ -79,6 +79,72 @@ __device__ __forceinline__ TileInfo make_tile(const KdaPrefillParams& p, int seq
   return w;
 }
 
+// Cooperative mode: what CTA blockIdx.x does (kernel_params.cuh: CooperativePlan). A tile's
+// owner runs both halves of the value columns (half == -1) or, with two owners, the half given by
+// its CTA's parity; every other CTA is a helper.
+struct CooperativeRole {
+  bool helper = false;
+  int tile = -1;  // owner: its tile
+  int half = -1;  // owner: -1 both halves, else 0 or 1
+};
+
+// The value split decided per tile on the device (CooperativePlan::split_on_device). Costs per
+// chunk, measured on an H100 (docs/perf-notes.md): the owner's state chain ~2.6 us with one owner
+// (~1.5 us with two), a helper's intra-chunk work ~12 us. Tile t gets a second owner when its
+// one-owner chain would outlast the helpers' share of all chunks, counting the fewest helpers the
+// launch can have (every tile with two owners):
+//     chunks(t) x 2.6 x helpers > chunks(all tiles) x 12.
+// For equal tiles that is tiles < ~0.15 x SMs (19 of 132 SMs); for one long prompt batched with
+// short ones, the long one's heads split and the short ones' second CTAs help. Every thread of
+// every CTA evaluates the same function of the clamped cu_seqlens, so they all agree; the reads
+// (N + 1 values, N <= 0.4 x SMs / HV in this mode) happen once per launch.
+constexpr int64_t kOwnerChainTenthUs = 26;    // 2.6 us
+constexpr int64_t kHelperChunkTenthUs = 120;  // 12 us
+
+__device__ __forceinline__ int64_t chunks_of(int64_t tokens) { return (tokens + kChunk - 1) / kChunk; }
+
+__device__ __forceinline__ bool tile_has_two_owners(const KdaKernelParams& kp, int t) {
+  const CooperativePlan& c = kp.coop;
+  if (c.value_split != 2) return false;
+  if (!c.split_on_device) return true;
+  const KdaPrefillParams& p = kp.problem;
+  const int64_t helpers = int64_t(gridDim.x) - c.owners;
+  int64_t mine = 0, total = 0;
+  if (p.cu_seqlens == nullptr) {
+    mine = chunks_of(p.seqlen);
+    total = mine * c.tiles;
+  } else {
+    const int own_seq = t / p.num_v_heads;
+    for (int n = 0; n < p.num_seqs; ++n) {
+      const SeqRange r = seq_range(p, n);
+      const int64_t chunks = chunks_of(r.end - r.begin);
+      total += chunks;
+      if (n == own_seq) mine = chunks;
+    }
+    total *= p.num_v_heads;
+  }
+  return mine * kOwnerChainTenthUs * helpers > total * kHelperChunkTenthUs;
+}
+
+__device__ __forceinline__ CooperativeRole cooperative_role(const KdaKernelParams& kp) {
+  const CooperativePlan& c = kp.coop;
+  const int b = int(blockIdx.x);
+  CooperativeRole role;
+  if (b >= c.owners) {
+    role.helper = true;
+  } else if (c.value_split == 1) {
+    role.tile = b;
+  } else if (tile_has_two_owners(kp, b / 2)) {
+    role.tile = b / 2;
+    role.half = b % 2;
+  } else if (b % 2 == 0) {
+    role.tile = b / 2;
+  } else {
+    role.helper = true;  // the second CTA of a tile with one owner
+  }
+  return role;
+}
+
 // Longest-first schedule: the producer's warpgroup (128 threads, before the roles start; the
 // caller's __syncthreads follows) sorts the sequences by chunk count and writes the order to
 // `sorted_seq` (global). `keys` (room for kSortMaxSeqs) lies in stage memory that is free until
@@ -135,8 +201,8 @@ struct TileCursor {
   int k = 0;  // tiles of this CTA so far
 };
 
-// kOwner: a tile owner of the cooperative mode, whose tile is its CTA index divided by the value
-// split (kernel_params.cuh: CooperativePlan); it has that one tile.
+// kOwner: a tile owner of the cooperative mode, whose tile is its CTA index divided by the CTAs
+// per tile of the owner region (cooperative_role); it has that one tile.
 template <bool kLongestFirst, bool kIsProducer, bool kOwner = false>
 __device__ __forceinline__ bool next_tile(const KdaKernelParams& kp, SharedStorage& smem, TileCursor& cursor,
                                           WorkTile& tile) {
