@@ -8,8 +8,9 @@
 //     chunk order, and reads the finished stage into the ring with one bulk copy; its state
 //     warpgroups run the recurrence as in the fused kernel (waiting on `full`). Its intra-chunk
 //     warpgroup has nothing to do.
-//   * helper (b >= tiles): its producer warp claims chunks (one atomic counter per tile: every
-//     chunk is claimed exactly once, in order) and loads them; the intra-chunk warpgroup turns
+//   * helper (every other CTA: cooperative_role): its producer warp claims chunks (one atomic
+//     counter per tile: every chunk is claimed exactly once, in order; the tile drawn in
+//     proportion to the chunks each has left, pick_helper_tile) and loads them; the intra-chunk warpgroup turns
 //     each into a finished stage exactly as in the fused kernel; the storer thread copies the
 //     stage (kWorkspaceStageBytes, in its shared-memory layout) to the chunk's workspace slot and
 //     then sets the chunk's flag.
@@ -50,15 +51,58 @@ __device__ __forceinline__ int* claim_counter(const KdaKernelParams& kp, int til
   return kp.coop.sync + int64_t(kp.problem.num_v_heads) * kp.coop.slots_per_head + tile;
 }
 
-// Helper producer (one warp). Starts with tile (helper index mod tiles), so every tile has a
-// helper from the start, or, the second CTA of a tile with one owner, with that tile; moves to the
-// next tile when one has no chunk left. A chunk is claimed only once a stage is free for it.
+// Unclaimed chunks of tile t (claim counters only grow, and pass the chunk count by one per helper
+// that found the tile empty). A relaxed read: a stale value only makes a helper's choice of tile
+// less apt; the claim itself (atomicAdd) is what hands out chunks.
+__device__ __forceinline__ int unclaimed_chunks(const KdaKernelParams& kp, int t) {
+  const KdaPrefillParams& p = kp.problem;
+  WorkTile tile;
+  static_cast<TileInfo&>(tile) = make_tile(p, t / p.num_v_heads, t % p.num_v_heads);
+  int claimed;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(claimed) : "l"(claim_counter(kp, t)) : "memory");
+  return max(tile.num_chunks() - claimed, 0);
+}
+
+// The next tile a helper works on (one warp; every lane returns it), or -1 when no tile has an
+// unclaimed chunk: a tile drawn with probability proportional to its unclaimed chunks, so helpers
+// spread over the tiles as the work left does (one long prompt among short ones gets most of
+// them, from the start and again whenever a helper's tile runs out; moving on to the next tile in
+// index order instead piled the helpers onto one long tile after another while the other long
+// tiles' owners waited). The draw is a golden-ratio sequence over (CTA, pick), so the helpers of
+// one launch take well-spread tiles; which helper computes a chunk never changes the results.
+__device__ __forceinline__ int pick_helper_tile(const KdaKernelParams& kp, int pick) {
+  const int lane = threadIdx.x & 31;
+  const int tiles = kp.coop.tiles;
+  for (;; ++pick) {
+    int64_t total = 0;
+    for (int base = 0; base < tiles; base += 32)
+      total += __reduce_add_sync(0xffffffffu, base + lane < tiles ? unclaimed_chunks(kp, base + lane) : 0);
+    if (total == 0) return -1;
+    const uint32_t x = uint32_t(blockIdx.x) * 2654435769u + uint32_t(pick) * 3242174889u;
+    const int64_t r = int64_t((uint64_t(x) * uint64_t(total)) >> 32);  // in [0, total)
+    // Second pass on fresh counts (they only fall): the tile where the running sum passes r. If
+    // claims in between took the chunks past r, draw again.
+    int64_t before = 0;
+    for (int base = 0; base < tiles; base += 32) {
+      const int rem = base + lane < tiles ? unclaimed_chunks(kp, base + lane) : 0;
+      int incl = rem;  // inclusive warp scan
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += y;
+      }
+      const uint32_t hit = __ballot_sync(0xffffffffu, rem > 0 && before + incl > r);
+      if (hit != 0u) return base + __ffs(hit) - 1;
+      before += __shfl_sync(0xffffffffu, incl, 31);
+    }
+  }
+}
+
+// Helper producer (one warp): claims chunks of the tile pick_helper_tile gives it until that tile
+// has none left, then picks again. A chunk is claimed only once a stage is free for it.
 __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
-  const int tiles = kp.coop.tiles;
-  const int b = int(blockIdx.x);
-  const int first_tile = b >= kp.coop.owners ? (b - kp.coop.owners) % tiles : b / kp.coop.value_split;
   PipelineState pipe;
   if (lane == 0) {  // the mode runs only with tokens, so the descriptors exist
     cute::prefetch_tma_descriptor(&kp.tma_q);
@@ -66,8 +110,9 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
     cute::prefetch_tma_descriptor(&kp.tma_v);
     cute::prefetch_tma_descriptor(&kp.tma_g);
   }
-  for (int k = 0; k < tiles; ++k) {
-    const int t = (first_tile + k) % tiles;
+  for (int pick = 0;; ++pick) {
+    const int t = pick_helper_tile(kp, pick);
+    if (t < 0) break;
     WorkTile tile;
     static_cast<TileInfo&>(tile) = make_tile(p, t / p.num_v_heads, t % p.num_v_heads);
     const int64_t first = first_chunk_slot(tile);
