@@ -99,7 +99,8 @@ __device__ __forceinline__ int pick_helper_tile(const KdaKernelParams& kp, int p
 
 // Helper producer (one warp). Starts on tile (helper index mod tiles), or, the second CTA of a
 // tile with one owner, on that tile: an exact round robin, so equal tiles start with equal help
-// (a first draw in proportion gave some of 32 equal tiles 2 helpers and others 5: +10-18 %).
+// (a first draw in proportion spreads 100 helpers over 32 equal tiles 2 to 5 per tile, where the
+// round robin gives 3 or 4; measured 2-6 % slower on such rows, docs/perf-notes.md).
 // When its tile has no chunk left it takes the tile pick_helper_tile draws. A chunk is claimed
 // only once a stage is free for it.
 __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem) {
