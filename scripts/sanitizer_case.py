@@ -15,7 +15,8 @@ kernel must clamp to [0, T] without touching memory outside its tensors (memchec
 finally two configurations and the bad cu_seqlens again in the cooperative mode
 (CULA_KDA_COOPERATIVE=1: helper CTAs compute the chunks and hand them to the tile owners through a
 global workspace), with one owner per tile, with two (CULA_KDA_VALUE_SPLIT=1 / =2: each owner on
-half of the value columns) and with the kernel's choice per tile (unset).
+half of the value columns) and with the kernel's choice per tile (unset); and in 4 segments per
+tile (CULA_KDA_SEGMENTS=4: P/Q chains, fp32 fix-ups through the workspace, reruns).
 Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the GPU work that
 the sanitizer instruments is the copies and the kernel itself.
 
@@ -43,6 +44,7 @@ CU = [0, 0, 1, 65, 130, 200]
 _MANY = [(7 * i) % 23 for i in range(70)]
 _MANY[5], _MANY[33] = 130, 1
 CU_MANY = [sum(_MANY[:i]) for i in range(len(_MANY) + 1)]  # 70 sequences, one empty (i = 0)
+CU_SEGMENTS = [0, 900, 903]
 H, HV, D = 2, 4, 128
 RTOL = 5e-3
 
@@ -178,6 +180,12 @@ def main() -> int:
         print(f"sanitizer_case: CULA_KDA_COOPERATIVE=1 CULA_KDA_VALUE_SPLIT={split or '(unset)'}", flush=True)
         results += [run_one(*cfg) for cfg in CONFIGS[:2]]
         results.append(run_bad_cu_seqlens())
+    # Segments (CULA_KDA_SEGMENTS=4: the chains of 4 segments per tile at once, fp32 fix-ups
+    # through the workspace): 2 sequences x 4 heads, so the owner region (16 CTAs per tile) fits.
+    os.environ["CULA_KDA_SEGMENTS"] = "4"
+    print("sanitizer_case: CULA_KDA_COOPERATIVE=1 CULA_KDA_SEGMENTS=4", flush=True)
+    results += [run_one(*cfg, cu=CU_SEGMENTS) for cfg in CONFIGS[:2]]
+    del os.environ["CULA_KDA_SEGMENTS"]
     del os.environ["CULA_KDA_COOPERATIVE"]
     print(f"sanitizer_case: {sum(results)}/{len(results)} calls matched the reference", flush=True)
     return 0 if all(results) else 1

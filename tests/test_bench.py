@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from kda_bench import report, runner  # noqa: E402
 from kda_bench.baselines import Baseline, all_baselines  # noqa: E402
-from kda_bench.baselines.cula import cula_schedule  # noqa: E402
+from kda_bench.baselines.cula import cula_schedule, cula_segments  # noqa: E402
 from kda_bench.baselines.flashkda import FlashKdaBaseline  # noqa: E402
 from kda_bench.cli import parse_args  # noqa: E402
 from kda_bench.floors import chunked_flops, sm_us_per_chunk_head  # noqa: E402
@@ -220,6 +220,25 @@ def test_cula_cooperative_rule():
     # the workspace (one 73.5 KiB stage per chunk and head) past 4 GiB: fused
     assert cula_schedule(Config("small", 1, 2 ** 20, 8, 8), 132, forced="", cooperative="") == "index"
     assert cula_schedule(Config("small", 1, 2 ** 18, 8, 8), 132, forced="", cooperative="") == on_device
+
+
+def test_cula_segments_rule():
+    """Very few tiles: the chains of G segments per tile at once where the model says it pays
+    (B1 T65536 H4: 5, B1 T131072 H2: 9; B1 T32768 H8: none), CULA_KDA_SEGMENTS forcing G while
+    the owner region (4 G CTAs per tile) fits."""
+    kw = dict(forced="", cooperative="", value_split="", segments_env="")
+    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, **kw) == "cooperative-split-on-device"
+    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132, **kw) == "cooperative-5-segments"
+    assert cula_schedule(Config("small", 1, 131072, 2, 2), 132, **kw) == "cooperative-9-segments"
+    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132, **{**kw, "segments_env": "1"}) == \
+        "cooperative-split-on-device"
+    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, **{**kw, "segments_env": "3"}) == \
+        "cooperative-3-segments"
+    # 8 tiles x 4 x 5 CTAs would not fit on 132 SMs: the variable is ignored
+    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, **{**kw, "segments_env": "5"}) == \
+        "cooperative-split-on-device"
+    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132, **{**kw, "value_split": "1"}) == "cooperative"
+    assert cula_segments(1, 16, 16, 132) == 1  # a short single tile: helpers, not segments
 
 
 def _fake_flash_kda_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,

@@ -53,6 +53,8 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _run(inp: dict, cooperative: str, monkeypatch, value_split: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call with ``CULA_KDA_COOPERATIVE`` / ``CULA_KDA_VALUE_SPLIT`` set (``CULA_KDA_SEGMENTS``
+    as the caller left it: unset gives the default choice)."""
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", cooperative)
     if value_split is None:
         monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
@@ -95,6 +97,45 @@ def test_value_split_is_bitwise_one_owner(lengths: list[int], HV: int, seed: int
     assert torch.equal(o1, o3) and torch.equal(s1, s3)
 
 
+#: ``CULA_KDA_SEGMENTS=G``: each tile's chunks in G segments whose chains run at once (the first
+#: from the true initial state; the middle ones chain Q from S = 0 and P from S = I, then in order
+#: S_out = P S_in + Q and a rerun from S_in; the last from its S_in). Every case has at most 8
+#: tiles, so the owner region (4 G CTAs per tile) fits on 132 SMs for G = 3 and 4.
+SEGMENT_CASES = [
+    Spec(B=1, T=4096, H=2, HV=4, h0=True, layout="kv"),
+    Spec(B=1, T=1000, H=1, HV=1, h0=True, layout="vk"),  # 16 chunks: segments of 6/4 chunks, last one short
+    Spec(B=1, T=40, H=1, HV=2, h0=True, layout="kv"),  # one chunk: the later segments are empty
+    Spec(B=1, T=3000, H=1, HV=4, h0=False, layout="vk", gate="given", l2norm=False, beta="bf16"),  # GVA
+    varlen("seg_mix", [5000, 3, 0, 1200], H=1, HV=2, h0=True, layout="kv"),
+    varlen("seg_empties", [0, 0, 129, 0], H=1, HV=1, h0=True, layout="kv", cu64=True),
+]
+
+
+def _longest_tile_chunks(spec: Spec) -> int:
+    return max((n + 63) // 64 for n in spec.lens)
+
+
+@gpu_sm90
+@pytest.mark.parametrize("segments", ["3", "4"])
+@pytest.mark.parametrize("spec", [pytest.param(s, id=s.id) for s in SEGMENT_CASES])
+def test_segments_match_fused_and_reference(spec: Spec, segments: str, seed: int, monkeypatch):
+    inp = make_inputs(spec)
+    o_fused, s_fused = _run(inp, "0", monkeypatch)
+    o_whole, s_whole = _run(inp, "1", monkeypatch)
+    monkeypatch.setenv("CULA_KDA_SEGMENTS", segments)
+    o, s = _run(inp, "1", monkeypatch)
+    compare_to_reference(spec, inp, o, s, what=f"{spec.id} cooperative, {segments} segments")
+    assert _rel(o, o_fused) <= MODE_RTOL, f"o: segments vs fused {_rel(o, o_fused):.2e}"
+    assert _rel(s, s_fused) <= MODE_RTOL, f"state: segments vs fused {_rel(s, s_fused):.2e}"
+    if _longest_tile_chunks(spec) >= 2 * int(segments):
+        # the middle segments' outputs come from a fixed-up S_in (fp32 P S_in + Q), not from the
+        # one chain's bf16-rounded operands: not bitwise the unsegmented launch (it did run)
+        assert not torch.equal(o, o_whole)
+    for _ in range(2):  # deterministic: which helper computes a chunk never shows
+        o2, s2 = _run(inp, "1", monkeypatch)
+        assert torch.equal(o, o2) and torch.equal(s, s2)
+
+
 @gpu_sm90
 @pytest.mark.parametrize("value_split", SPLITS)
 def test_long_sequence_with_initial_state(value_split: str | None, seed: int, monkeypatch):
@@ -103,6 +144,18 @@ def test_long_sequence_with_initial_state(value_split: str | None, seed: int, mo
     inp = make_inputs(spec)
     o, fs = _run(inp, "1", monkeypatch, value_split)
     compare_to_reference(spec, inp, o, fs, what=f"{spec.id} cooperative, value split {value_split}")
+
+
+@gpu_sm90
+@pytest.mark.parametrize("segments", ["3", "8", "16"])
+def test_long_sequence_in_segments(segments: str, seed: int, monkeypatch):
+    """T = 65536 on two heads with initial states, 1024 chunks per tile in G segments (16: 64
+    chunks each, 14 fix-ups in a row): the fp32 fix-ups keep the contract over the whole length."""
+    monkeypatch.setenv("CULA_KDA_SEGMENTS", segments)
+    spec = Spec(B=1, T=65536, H=1, HV=2, h0=True, layout="vk")
+    inp = make_inputs(spec)
+    o, fs = _run(inp, "1", monkeypatch)
+    compare_to_reference(spec, inp, o, fs, what=f"{spec.id} cooperative, {segments} segments")
 
 
 @gpu_sm90

@@ -19,13 +19,40 @@ LONGEST_FIRST_MAX_MEAN_TOKENS = 320
 SCHEDULE_ENV = "CULA_KDA_SCHEDULE"
 COOPERATIVE_ENV = "CULA_KDA_COOPERATIVE"
 VALUE_SPLIT_ENV = "CULA_KDA_VALUE_SPLIT"
+SEGMENTS_ENV = "CULA_KDA_SEGMENTS"
 CHUNK = 64
 WORKSPACE_STAGE_BYTES = 75264          # kWorkspaceStageBytes (shared_storage.cuh)
 MAX_COOPERATIVE_WORKSPACE_BYTES = 4 << 30  # kMaxCooperativeWorkspaceBytes (kda_prefill_dispatch.cu)
 
 
+def cula_segments(tiles: int, chunks_per_tile: int, all_chunks: int, sm_count: int,
+                  forced: str | None = None) -> int:
+    """Segments per tile of a cooperative launch with two owners per tile (``choose_segments``
+    in the dispatch: the G with the least modelled time, 1 for none; ``CULA_KDA_SEGMENTS``)."""
+    def fits(g: int) -> bool:
+        return tiles * 4 * g < sm_count
+
+    best, best_us = 1, max(1.4 * chunks_per_tile, 12.0 * all_chunks / (sm_count - 2 * tiles))
+    g = 3
+    while fits(g):
+        chain = 2.0 * (-(-chunks_per_tile // g)) * 1.4 + (g - 2) * 10.0
+        us = max(chain, 12.0 * all_chunks / (sm_count - tiles * (4 * g - 4)))
+        if us < best_us:
+            best, best_us = g, us
+        g += 1
+    if forced:
+        try:
+            f = int(forced)
+        except ValueError:
+            f = 0
+        if f == 1 or (f >= 3 and fits(f)):
+            best = f
+    return best
+
+
 def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
-                  cooperative: str | None = None, value_split: str | None = None) -> str:
+                  cooperative: str | None = None, value_split: str | None = None,
+                  segments_env: str | None = None) -> str:
     """The launch cula's dispatch picks: "cooperative" (one CTA per SM, the CTAs without a tile
     compute chunks for the tile owners) when the (sequence, value head) tiles number at most
     0.4 x the SMs and there are at least four chunks of tokens (or ``CULA_KDA_COOPERATIVE=1``,
@@ -35,8 +62,10 @@ def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
     owners (each on half of the value columns) by its model of the sequence lengths is
     "cooperative-split-on-device" (the default while two CTAs per tile leave a helper); with
     ``CULA_KDA_VALUE_SPLIT=2`` every tile has two owners ("cooperative-split"), with ``=1`` one
-    ("cooperative"). ``forced`` / ``cooperative`` / ``value_split``: the values of those
-    variables (read from the environment when None)."""
+    ("cooperative"). With two owners per tile and very few tiles, each tile's chunks may run in G
+    segments at once ("cooperative-G-segments", ``cula_segments``). ``forced`` / ``cooperative`` /
+    ``value_split`` / ``segments_env``: the values of those variables (read from the environment
+    when None)."""
     if forced is None:
         forced = os.environ.get(SCHEDULE_ENV)
     if cooperative is None:
@@ -54,6 +83,10 @@ def cula_schedule(cfg: Config, sm_count: int, forced: str | None = None,
     if coop and tokens > 0 and tiles < sm_count and workspace <= MAX_COOPERATIVE_WORKSPACE_BYTES:
         if value_split == "1" or 2 * tiles >= sm_count:
             return "cooperative"
+        segments = cula_segments(tiles, -(-(tokens // cfg.N) // CHUNK), -(-tokens // CHUNK) * cfg.HV,
+                                 sm_count, os.environ.get(SEGMENTS_ENV) if segments_env is None else segments_env)
+        if segments > 1:
+            return f"cooperative-{segments}-segments"
         return "cooperative-split" if value_split == "2" else "cooperative-split-on-device"
     short = cfg.B * cfg.T < LONGEST_FIRST_MAX_MEAN_TOKENS * cfg.N
     longest_first = (forced != "index" and tiles > sm_count and cfg.N <= SORT_MAX_SEQS

@@ -10,7 +10,7 @@
 //     warpgroup has nothing to do.
 //   * helper (every other CTA: cooperative_role): its producer warp claims chunks (one atomic
 //     counter per tile: every chunk is claimed exactly once, in order; the tile drawn in
-//     proportion to the chunks each has left, pick_helper_tile) and loads them; the intra-chunk warpgroup turns
+//     proportion to the chunks each (tile, segment) unit has left, pick_helper_unit) and loads them; the intra-chunk warpgroup turns
 //     each into a finished stage exactly as in the fused kernel; the storer thread copies the
 //     stage (kWorkspaceStageBytes, in its shared-memory layout) to the chunk's workspace slot and
 //     then sets the chunk's flag.
@@ -47,43 +47,69 @@ __device__ __forceinline__ uint8_t* workspace_stage(const KdaKernelParams& kp, i
 __device__ __forceinline__ int* published_flag(const KdaKernelParams& kp, int v_head, int64_t slot) {
   return kp.coop.sync + int64_t(v_head) * kp.coop.slots_per_head + slot;
 }
-__device__ __forceinline__ int* claim_counter(const KdaKernelParams& kp, int tile) {
-  return kp.coop.sync + int64_t(kp.problem.num_v_heads) * kp.coop.slots_per_head + tile;
+// Work units: (tile, segment) pairs, unit = tile x G + segment (without segments, G = 1: the
+// tiles). sync holds, after the published flags, a claim counter per unit, then (segments) a P
+// flag per unit (the P halves published, 0..2) and an S_out flag per (unit, value half).
+__device__ __forceinline__ int num_units(const KdaKernelParams& kp) { return kp.coop.tiles * kp.coop.segments; }
+__device__ __forceinline__ int* claim_counter(const KdaKernelParams& kp, int unit) {
+  return kp.coop.sync + int64_t(kp.problem.num_v_heads) * kp.coop.slots_per_head + unit;
+}
+__device__ __forceinline__ int* p_flag(const KdaKernelParams& kp, int unit) {
+  return claim_counter(kp, num_units(kp)) + unit;
+}
+__device__ __forceinline__ int* s_out_flag(const KdaKernelParams& kp, int unit, int half) {
+  return claim_counter(kp, 2 * num_units(kp)) + 2 * unit + half;
+}
+// P^T [k' = the chain's value rows, k] and S_out^T [v, k] of a unit: 128 x 128 fp32, rows of 128.
+constexpr int kMatrixFloats = kHeadDim * kHeadDim;
+__device__ __forceinline__ float* p_matrix(const KdaKernelParams& kp, int unit) {
+  return kp.coop.matrices + int64_t(unit) * 2 * kMatrixFloats;
+}
+__device__ __forceinline__ float* s_out_matrix(const KdaKernelParams& kp, int unit) {
+  return p_matrix(kp, unit) + kMatrixFloats;
 }
 
-// Unclaimed chunks of tile t (claim counters only grow, and pass the chunk count by one per helper
-// that found the tile empty). A relaxed read: a stale value only makes a helper's choice of tile
-// less apt; the claim itself (atomicAdd) is what hands out chunks.
-__device__ __forceinline__ int unclaimed_chunks(const KdaKernelParams& kp, int t) {
+__device__ __forceinline__ WorkTile unit_tile(const KdaKernelParams& kp, int unit) {
   const KdaPrefillParams& p = kp.problem;
+  const int t = unit / kp.coop.segments;
   WorkTile tile;
   static_cast<TileInfo&>(tile) = make_tile(p, t / p.num_v_heads, t % p.num_v_heads);
-  int claimed;
-  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(claimed) : "l"(claim_counter(kp, t)) : "memory");
-  return max(tile.num_chunks() - claimed, 0);
+  return tile;
 }
 
-// The next tile a helper works on (one warp; every lane returns it), or -1 when no tile has an
-// unclaimed chunk: a tile drawn with probability proportional to its unclaimed chunks, so helpers
+// Unclaimed chunks of a unit (claim counters only grow, and pass the unit's chunk count by one
+// per helper that found it empty). A relaxed read: a stale value only makes a helper's choice of
+// unit less apt; the claim itself (atomicAdd) is what hands out chunks.
+__device__ __forceinline__ int unclaimed_chunks(const KdaKernelParams& kp, int unit) {
+  const WorkTile tile = unit_tile(kp, unit);
+  const ChunkRange r = segment_chunks(kp.coop.segments, tile.num_chunks(), unit % kp.coop.segments);
+  int claimed;
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(claimed) : "l"(claim_counter(kp, unit)) : "memory");
+  return max(r.end - r.begin - claimed, 0);
+}
+
+// The next unit a helper works on (one warp; every lane returns it), or -1 when no unit has an
+// unclaimed chunk: a unit drawn with probability proportional to its unclaimed chunks, so helpers
 // spread over the tiles as the work left does (one long prompt among short ones gets most of
 // them whenever a helper's tile runs out; moving on to the next tile in index order instead piled
-// the helpers onto one long tile after another while the other long tiles' owners waited). The draw is a golden-ratio sequence over (CTA, pick), so the helpers of
-// one launch take well-spread tiles; which helper computes a chunk never changes the results.
-__device__ __forceinline__ int pick_helper_tile(const KdaKernelParams& kp, int pick) {
+// the helpers onto one long tile after another while the other long tiles' owners waited). The
+// draw is a golden-ratio sequence over (CTA, pick), so the helpers of one launch take well-spread
+// units; which helper computes a chunk never changes the results.
+__device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int pick) {
   const int lane = threadIdx.x & 31;
-  const int tiles = kp.coop.tiles;
+  const int units = num_units(kp);
   for (;; ++pick) {
     int64_t total = 0;
-    for (int base = 0; base < tiles; base += 32)
-      total += __reduce_add_sync(0xffffffffu, base + lane < tiles ? unclaimed_chunks(kp, base + lane) : 0);
+    for (int base = 0; base < units; base += 32)
+      total += __reduce_add_sync(0xffffffffu, base + lane < units ? unclaimed_chunks(kp, base + lane) : 0);
     if (total == 0) return -1;
     const uint32_t x = uint32_t(blockIdx.x) * 2654435769u + uint32_t(pick) * 3242174889u;
     const int64_t r = int64_t((uint64_t(x) * uint64_t(total)) >> 32);  // in [0, total)
-    // Second pass on fresh counts (they only fall): the tile where the running sum passes r. If
+    // Second pass on fresh counts (they only fall): the unit where the running sum passes r. If
     // claims in between took the chunks past r, draw again.
     int64_t before = 0;
-    for (int base = 0; base < tiles; base += 32) {
-      const int rem = base + lane < tiles ? unclaimed_chunks(kp, base + lane) : 0;
+    for (int base = 0; base < units; base += 32) {
+      const int rem = base + lane < units ? unclaimed_chunks(kp, base + lane) : 0;
       int incl = rem;  // inclusive warp scan
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
@@ -97,15 +123,16 @@ __device__ __forceinline__ int pick_helper_tile(const KdaKernelParams& kp, int p
   }
 }
 
-// Helper producer (one warp). Starts on tile (helper index mod tiles), or, the second CTA of a
-// tile with one owner, on that tile: an exact round robin, so equal tiles start with equal help
+// Helper producer (one warp). Starts on unit (helper index mod units), or, a CTA of the owner
+// region that helps, on its own tile: an exact round robin, so equal tiles start with equal help
 // (a first draw in proportion spreads 100 helpers over 32 equal tiles 2 to 5 per tile, where the
-// round robin gives 3 or 4; measured 2-6 % slower on such rows, docs/perf-notes.md).
-// When its tile has no chunk left it takes the tile pick_helper_tile draws. A chunk is claimed
-// only once a stage is free for it.
+// round robin gives 3 or 4; measured 2-6 % slower on such rows, docs/perf-notes.md). When its
+// unit has no chunk left it takes the unit pick_helper_unit draws. A chunk is claimed only once a
+// stage is free for it.
 __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
+  const int G = kp.coop.segments;
   PipelineState pipe;
   if (lane == 0) {  // the mode runs only with tokens, so the descriptors exist
     cute::prefetch_tma_descriptor(&kp.tma_q);
@@ -114,19 +141,20 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
     cute::prefetch_tma_descriptor(&kp.tma_g);
   }
   const int b = int(blockIdx.x);
-  int t = b >= kp.coop.owners ? (b - kp.coop.owners) % kp.coop.tiles : b / kp.coop.value_split;
-  for (int pick = 0; t >= 0; t = pick_helper_tile(kp, pick++)) {
-    WorkTile tile;
-    static_cast<TileInfo&>(tile) = make_tile(p, t / p.num_v_heads, t % p.num_v_heads);
+  int u = b >= kp.coop.owners ? (b - kp.coop.owners) % num_units(kp)
+          : G > 1             ? b / (4 * G) * G + (b % (4 * G)) / 4
+                              : b / kp.coop.value_split;
+  for (int pick = 0; u >= 0; u = pick_helper_unit(kp, pick++)) {
+    const WorkTile tile = unit_tile(kp, u);
     const int64_t first = first_chunk_slot(tile);
-    const int chunks = tile.num_chunks();
+    const ChunkRange range = segment_chunks(G, tile.num_chunks(), u % G);
     for (;; pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
       int c = 0;
-      if (lane == 0) c = atomicAdd(claim_counter(kp, t), 1);
+      if (lane == 0) c = range.begin + atomicAdd(claim_counter(kp, u), 1);
       c = __shfl_sync(0xffffffffu, c, 0);
-      if (c >= chunks) break;  // this stage stays free (its phase is done) for the next tile's chunk
+      if (c >= range.end) break;  // this stage stays free (its phase is done) for the next unit's chunk
       const int rows = tile.chunk_rows(c);
       const int64_t token = tile.token0 + int64_t(c) * kChunk;
       load_beta(p, st, tile.v_head, token, rows, lane);
@@ -169,31 +197,38 @@ __device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, 
 
 // Owner producer (one warp): the tile's finished stages, in chunk order, into the ring, each once
 // its flag is set (acquire; then a proxy fence, since the bulk copy reads in the async proxy).
-// With a value split both owners of a tile read every stage whole.
-// The state warpgroups wait on `full` directly.
+// With a value split both owners of a tile read every stage whole. With segments: the owner's
+// segment only, twice for the Q-owners of the middle segments (the chain from S = 0, then the
+// rerun from the true S_in). The state warpgroups wait on `full` directly.
 __device__ __forceinline__ void run_workspace_loader(const KdaKernelParams& kp, SharedStorage& smem) {
   const int lane = threadIdx.x & 31;
+  const int G = kp.coop.segments;
+  const CooperativeRole role = cooperative_role(kp);
   PipelineState pipe;
   TileCursor cursor;
   for (WorkTile tile; next_tile</*kLongestFirst=*/false, /*kIsProducer=*/true, /*kOwner=*/true>(kp, smem, cursor, tile);) {
     const int64_t first = first_chunk_slot(tile);
-    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
-      StageStorage& st = smem.stage[pipe.stage];
-      cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
-      uint64_t* bar = &smem.full_bar[pipe.stage];
-      if (lane == 0) {
-        const int* flag = published_flag(kp, tile.v_head, first + c);
-        for (int ready = 0;;) {
-          asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
-          if (ready) break;
-          __nanosleep(100);
+    const ChunkRange range = segment_chunks(G, tile.num_chunks(), role.segment);
+    const int passes = !role.p_chain && role.segment > 0 && role.segment < G - 1 ? 2 : 1;
+    for (int pass = 0; pass < passes; ++pass) {
+      for (int c = range.begin; c < range.end; ++c, pipe.advance()) {
+        StageStorage& st = smem.stage[pipe.stage];
+        cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+        uint64_t* bar = &smem.full_bar[pipe.stage];
+        if (lane == 0) {
+          const int* flag = published_flag(kp, tile.v_head, first + c);
+          for (int ready = 0;;) {
+            asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
+            if (ready) break;
+            __nanosleep(100);
+          }
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kWorkspaceStageBytes);
+          cute::SM90_BULK_COPY_G2S::copy(workspace_stage(kp, tile.v_head, first + c), bar, &st, kWorkspaceStageBytes);
         }
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kWorkspaceStageBytes);
-        cute::SM90_BULK_COPY_G2S::copy(workspace_stage(kp, tile.v_head, first + c), bar, &st, kWorkspaceStageBytes);
+        __syncwarp();
+        if (lane != 0) cutlass::arch::ClusterBarrier::arrive(bar);
       }
-      __syncwarp();
-      if (lane != 0) cutlass::arch::ClusterBarrier::arrive(bar);
     }
   }
 }

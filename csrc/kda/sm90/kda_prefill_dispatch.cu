@@ -76,9 +76,40 @@ constexpr size_t kMaxCooperativeWorkspaceBytes = size_t(4) << 30;  // 4 GiB: e.g
 struct Plan {
   bool cooperative = false;
   sm90::CooperativePlan coop;
-  size_t sync_bytes = 0;   // flags and claim counters, zeroed per call
-  size_t stage_bytes = 0;  // finished stages
+  size_t sync_bytes = 0;    // flags and claim counters, zeroed per call
+  size_t matrix_bytes = 0;  // segments: P^T and S_out^T per (tile, segment), fp32
+  size_t stage_bytes = 0;   // finished stages
 };
+
+// Segments (kernel_params.cuh: CooperativePlan) for very few tiles. Model per launch, in us, from
+// what the host knows (mean chunks per tile C, tiles, SMs): the split owners' chain ~1.4 us per
+// chunk, a fix-up (S_out = P S_in + Q, fp32) ~10 us, a helper ~12 us per chunk. Without segments:
+// max(C x 1.4, all chunks x 12 / (SMs - 2 tiles)); with G >= 3: the first segment, then the
+// middle ones' fix-ups in order, then the last segment's run, max(2 ceil(C / G) x 1.4 + (G - 2) x
+// 10, all chunks x 12 / helpers), helpers = SMs - tiles x (4 G - 4) (the owner region holds 4 G
+// CTAs per tile, 4 of which help). The G with the least modelled time wins (docs/perf-notes.md):
+// B1 T32768 H8 none (G = 3 models the same), B1 T65536 H4 G = 5, B1 T131072 H2 G = 9.
+// CULA_KDA_SEGMENTS=G (read per call) forces G (1: none; G >= 3 while the owner region fits).
+int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count) {
+  auto fits = [&](int g) { return tiles * 4 * g < sm_count; };
+  int best = 1;
+  double best_us = std::max(1.4 * double(chunks_per_tile), 12.0 * double(all_chunks) / double(sm_count - 2 * tiles));
+  for (int g = 3; fits(g); ++g) {
+    const double helpers = double(sm_count - tiles * (4 * g - 4));
+    const double chain = 2.0 * double((chunks_per_tile + g - 1) / g) * 1.4 + double(g - 2) * 10.0;
+    const double us = std::max(chain, 12.0 * double(all_chunks) / helpers);
+    if (us < best_us) {
+      best_us = us;
+      best = g;
+    }
+  }
+  const char* env = std::getenv("CULA_KDA_SEGMENTS");
+  if (env != nullptr) {
+    const int forced = std::atoi(env);
+    if (forced == 1 || (forced >= 3 && fits(forced))) best = forced;
+  }
+  return best;
+}
 
 Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   Plan plan;
@@ -116,9 +147,20 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   plan.coop.split_on_device = split == 2 && split_on_device;
   plan.coop.value_split = split;
   plan.coop.owners = int(num_tiles) * split;
+  const int64_t all_chunks = (tokens + sm90::kChunk - 1) / sm90::kChunk * p.num_v_heads;
+  const int64_t chunks_per_tile = (tokens / p.num_seqs + sm90::kChunk - 1) / sm90::kChunk;
+  const int segments = split == 2 ? choose_segments(num_tiles, chunks_per_tile, all_chunks, sm_count) : 1;
+  if (segments > 1) {
+    plan.coop.segments = segments;
+    plan.coop.split_on_device = false;
+    plan.coop.owners = int(num_tiles) * 4 * segments;
+  }
+  const size_t units = size_t(num_tiles) * size_t(segments);
   plan.stage_bytes = size_t(slots) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
-  const size_t ints = size_t(slots) * size_t(p.num_v_heads) + size_t(num_tiles);
+  // published flags, then per unit: claim counter, P count, two S_out flags
+  const size_t ints = size_t(slots) * size_t(p.num_v_heads) + (segments > 1 ? 4 : 1) * units;
   plan.sync_bytes = (ints * sizeof(int) + 1023) / 1024 * 1024;
+  plan.matrix_bytes = segments > 1 ? units * 2 * sm90::kHeadDim * sm90::kHeadDim * sizeof(float) : 0;
   return plan;
 }
 
@@ -136,7 +178,7 @@ size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& p) {
   int sm_count = 0;
   if (device_sm_count(&sm_count) != cudaSuccess) return 0;
   const Plan plan = plan_call(p, sm_count);
-  return plan.sync_bytes + plan.stage_bytes;
+  return plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes;
 }
 
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
@@ -189,12 +231,13 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
 
   const Plan plan = plan_call(p, sm_count);
   if (plan.cooperative) {
-    if (p.workspace == nullptr || p.workspace_bytes < plan.sync_bytes + plan.stage_bytes)
+    if (p.workspace == nullptr || p.workspace_bytes < plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes)
       return invalid("the cooperative mode needs a workspace of kda_prefill_sm90_workspace_bytes() bytes");
     if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return invalid("the workspace must be 16-byte aligned");
     kp.coop = plan.coop;
     kp.coop.sync = static_cast<int*>(p.workspace);
-    kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes;  // the stages
+    kp.coop.matrices = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + plan.sync_bytes);
+    kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes + plan.matrix_bytes;  // the stages
     if ((err = cudaMemsetAsync(p.workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
     if (p.general_gates) {
       constexpr auto kCoopPass = sm90::KernelPass::kCooperative;

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     if (kCoop && coop_role.half >= 0 && half != coop_role.half) return;
     if constexpr (kCoop) {
       cutlass::arch::warpgroup_reg_alloc<kOwnerStateRegs>();
-      run_owner_state_warpgroup(kp, smem, half);
+      run_owner_state_warpgroup(kp, smem, half, coop_role);
     } else {
       cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
       run_state_warpgroup<kLongestFirst>(kp, smem, half);

@@ -55,13 +55,30 @@ enum class KernelPass : int { kFused = 0, kCooperative = 1 };
 // lengths, which only the device reads), so one long prompt batched with short ones gets two
 // owners for its heads and the short ones give their second CTA to the helpers. Without it every
 // tile of the region has two owners (CULA_KDA_VALUE_SPLIT=2).
+//
+// Segments (segments = G >= 3, for very few tiles): each tile's chunks are cut into G segments
+// of ceil(chunks / G) chunks, and the state chain runs on all of them at once. A segment's effect
+// on the state is affine, S_out = P S_in + Q, because each value column of S evolves on its own
+// through the same K x K maps: Q is the chain from S = 0, P the chain with U = 0 from S = I (its
+// "value columns" are the K columns of I). Segment 0 runs from the true initial state and
+// publishes its final state (fp32). Each middle segment has four owner CTAs of one state
+// warpgroup each: two chain Q over the value halves while two chain P over the halves of I's
+// columns (publishing P^T in fp32); then, in segment order, the Q-owners take S_in = S_out of the
+// segment before, publish S_out = P S_in + Q (fp32, CUDA cores) for the next, and rerun their
+// segment from S_in for the outputs. The last segment waits for its S_in and runs once, giving
+// the final state. Chain time ~ 2 chunks / G steps + (G - 2) fix-ups instead of chunks steps.
+// The owner region is 4 G CTAs per tile ([Q half 0, Q half 1, P half 0, P half 1] per segment;
+// the first and last segments' P CTAs help); claim counters, P^T and S_out^T are per (tile,
+// segment) unit.
 struct CooperativePlan {
   int64_t slots_per_head = 0;  // ceil(tokens / 64) + N
   int tiles = 0;               // (sequence, value head) tiles; 0 in the fused kernel
   int value_split = 1;         // CTAs per tile in the owner region: 1, or 2 (one state warpgroup each)
   bool split_on_device = false;  // value_split == 2: each tile's second CTA is an owner or a helper by the model
-  int owners = 0;              // tiles x value_split: CTAs [0, owners) are the owner region
-  int* sync = nullptr;
+  int segments = 1;            // G: segments per tile (1: none; then owners = tiles x value_split)
+  int owners = 0;              // CTAs [0, owners) are the owner region (tiles x 4 G with segments)
+  int* sync = nullptr;         // flags and counters (zeroed per launch)
+  float* matrices = nullptr;   // segments: P^T then S_out^T, [tiles x G][128 x 128] fp32 each
 };
 
 struct KdaKernelParams {

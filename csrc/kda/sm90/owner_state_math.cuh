@@ -87,146 +87,279 @@ __device__ __forceinline__ void accumulator_to_fragments(const float (&acc)[N], 
     for (int r = 0; r < 4; ++r) frag[ks][r] = float2_to_bf16x2(acc[8 * ks + 2 * r], acc[8 * ks + 2 * r + 1]);
 }
 
-__device__ __forceinline__ void run_owner_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
+// One chunk of the owner's chain (steps (a)-(f) above) on the stage `pipe` points at, which it
+// waits for and releases. with_u: U from the stage (false: the P chain, U = 0); with_out: O^T and
+// the output rows of chunk c (false: the chain alone, for a segment's Q or P).
+__device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, SharedStorage& smem, const PipelineState& pipe,
+                                                 float (&St)[64], const WorkTile& tile, int c, bool with_u,
+                                                 bool with_out, uint8_t* staging, NamedBarrierId bar, int half,
+                                                 int tid, PhaseTimer& timer) {
+  const int warp = tid >> 5, lane = tid & 31;
+  const int t4 = lane & 3;
+  StageStorage& st = smem.stage[pipe.stage];
+  cutlass::arch::ClusterBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+  timer.mark(0);
+
+  // (a) S^T as bf16 A fragments, then (while (b) runs) the decay of the whole chunk applied
+  // to the fp32 accumulator: column k of S^T times exp2(G_last[k]).
+  uint32_t sa[8][4];
+  accumulator_to_fragments(St, sa);
+  const uint32_t w_base = smem_u32(st.k), qg_base = smem_u32(st.q);
+  float Pt[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) Pt[r] = 0.f;
+  float Ot[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) Ot[r] = 0.f;
+  fence_accumulators(Pt);
+  fence_accumulators(Ot);
+  wgmma_fence();
+  // (b) P^T = S^T W^T: k-step ks covers features 16 ks .. 16 ks + 15 (box ks / 4 of W's rows).
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    wgmma_rs<64, Major::K>(sa[ks], desc_k_major(w_base + (ks >> 2) * kBoxBytes + (ks & 3) * 32), Pt, true);
+  wgmma_commit();
+  // (d, first part) O^T = S^T QG^T, its own batch: runs while v_new is formed.
+  if (with_out) {
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks)
+      wgmma_rs<64, Major::K>(sa[ks], desc_k_major(qg_base + (ks >> 2) * kBoxBytes + (ks & 3) * 32), Ot, true);
+    wgmma_commit();
+  }
+#pragma unroll
+  for (int n8 = 0; n8 < 16; ++n8) {
+    const float2 r = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][8 * n8 + 2 * t4]);
+    const float f0 = fast_exp2(r.x), f1 = fast_exp2(r.y);
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      St[n8 * 4 + h2 * 2] *= f0;
+      St[n8 * 4 + h2 * 2 + 1] *= f1;
+    }
+  }
+  if (with_out)
+    wgmma_wait<1>();  // P^T done (the O^T batch may still run)
+  else
+    wgmma_wait<0>();
+  fence_accumulators(Pt);
+  timer.mark(1);
+
+  // (c) v_new^T = U^T - P^T. U is the stage's [64 c, 128 v] tile; this half's columns are box
+  // `half`. ldmatrix.trans of the 8x8 block (rows c0.., columns v0..) gives the accumulator
+  // pair (v0 + g4, c0 + 2 t4 .. +1) of U^T: for k-step ks and fragment r, v0 = 16 w + 8 (r & 1),
+  // c0 = 16 ks + 8 (r >> 1); lanes 8 r .. 8 r + 7 address that block's rows.
+  uint32_t va[kChunk / 16][4];
+  if (with_u) {
+    const uint32_t u_base = smem_u32(st.v + half * kBoxBytes);
+    const int r = lane >> 3;
+    const int row_in = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks) {
+      uint32_t u[4];
+      const int c_row = 16 * ks + 8 * (r >> 1) + row_in;
+      ldmatrix_x4_trans(u_base + sw128_chunk_offset(c_row, 2 * warp + (r & 1)), u);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 uf = bf16x2_to_float2(u[q]);
+        va[ks][q] = float2_to_bf16x2(uf.x - Pt[8 * ks + 2 * q], uf.y - Pt[8 * ks + 2 * q + 1]);
+      }
+    }
+  } else {  // the P chain: U = 0
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) va[ks][q] = float2_to_bf16x2(-Pt[8 * ks + 2 * q], -Pt[8 * ks + 2 * q + 1]);
+  }
+  timer.mark(2);
+
+  // (d) O^T += v_new^T A_qk^T and (e) S^T += v_new^T KT', one batch (after the O^T batch above
+  // in the WGMMA queue, which orders the two accumulations into O^T).
+  const uint32_t aqk_base = smem_u32(st.aqk), kt_base = smem_u32(st.g);
+  fence_accumulators(St);
+  wgmma_fence();
+  if (with_out) {
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks) wgmma_rs<64, Major::K>(va[ks], desc_k_major(aqk_base + ks * 32), Ot, true);
+  }
+#pragma unroll
+  for (int ks = 0; ks < kChunk / 16; ++ks)
+    wgmma_rs<128, Major::MN>(va[ks], desc_mn_major(kt_base + ks * kSubBlock * 128, kBoxBytes), St, true);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulators(Ot);
+  fence_accumulators(St);
+  timer.mark(3);
+
+  // (d') O^T[v, i] += A_qk[i, i] v_new^T[v, i] (bf16 v_new, as in the product), then the stage
+  // is no longer read: release it.
+  if (with_out) {
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int i = 16 * ks + 8 * (q >> 1) + 2 * t4;
+        const float2 d = *reinterpret_cast<const float2*>(&st.aqk_diag[i]);
+        const float2 vn = bf16x2_to_float2(va[ks][q]);
+        Ot[8 * ks + 2 * q] = fmaf(d.x, vn.x, Ot[8 * ks + 2 * q]);
+        Ot[8 * ks + 2 * q + 1] = fmaf(d.y, vn.y, Ot[8 * ks + 2 * q + 1]);
+      }
+  }
+  cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
+  if (!with_out) {
+    timer.mark(4);
+    return;
+  }
+
+  // (f) o = scale O: O^T's 8x8 blocks stored transposed, so the staging tile holds rows i,
+  // columns v (SW128, as write_output_rows reads it). stmatrix call ks covers O^T columns
+  // (= rows i) 16 ks .. 16 ks + 15; its matrix q is fragment q: rows i0 = 16 ks + 8 (q >> 1),
+  // columns v0 = 16 w + 8 (q & 1), whose row addresses lanes 8 q .. 8 q + 7 give.
+  uint8_t* const buf = staging + (c & 1) * kBoxBytes;
+  {
+    const uint32_t buf_base = smem_u32(buf);
+    const int q = lane >> 3;
+    const int row_in = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks) {
+      uint32_t o[4];
+#pragma unroll
+      for (int f = 0; f < 4; ++f)
+        o[f] = float2_to_bf16x2(Ot[8 * ks + 2 * f] * p.scale, Ot[8 * ks + 2 * f + 1] * p.scale);
+      const int i_row = 16 * ks + 8 * (q >> 1) + row_in;
+      stmatrix_x4_trans(buf_base + sw128_chunk_offset(i_row, 2 * warp + (q & 1)), o[0], o[1], o[2], o[3]);
+    }
+  }
+  named_barrier_sync(bar, 128);
+  write_output_rows(p, tile, c, buf, half, tid);
+  timer.mark(4);
+}
+
+// Segments (kernel_params.cuh: CooperativePlan): this half's rows of a 128 x 128 fp32 matrix
+// [rows, 128 columns] in the workspace <-> the accumulator layout of St (rows 64 half + 16 w + g4
+// (+8), columns 8 n8 + 2 t4 (+1)).
+template <bool kLoad>
+__device__ __forceinline__ void matrix_rows_io(float* m, float (&St)[64], int half, int warp, int lane) {
+  const int g4 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int n8 = 0; n8 < 16; ++n8)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      float2* ptr = reinterpret_cast<float2*>(m + (64 * half + kSubBlock * warp + g4 + 8 * h2) * kHeadDim + 8 * n8 + 2 * t4);
+      if constexpr (kLoad) {
+        const float2 v = *ptr;
+        St[n8 * 4 + h2 * 2] = v.x;
+        St[n8 * 4 + h2 * 2 + 1] = v.y;
+      } else {
+        *ptr = make_float2(St[n8 * 4 + h2 * 2], St[n8 * 4 + h2 * 2 + 1]);
+      }
+    }
+}
+
+// Publish / wait for a segment result: the warpgroup's stores and fences, a barrier, then one
+// thread's release (a count for P's two halves, a flag per half for S_out); the waiter's one thread
+// acquires, and the barrier hands the order on to the warpgroup (the matrices are read with plain
+// loads: this CTA never touched those lines before, so no stale L1 copy exists).
+__device__ __forceinline__ void release_add(int* flag, NamedBarrierId bar, int tid) {
+  __threadfence();  // each thread's stores, at GPU scope, before the barrier
+  named_barrier_sync(bar, 128);
+  if (tid == 0) asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
+}
+__device__ __forceinline__ void acquire_at_least(const int* flag, int target, NamedBarrierId bar, int tid) {
+  if (tid == 0) {
+    for (int v = 0;;) {
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+      if (v >= target) break;
+      __nanosleep(200);
+    }
+  }
+  named_barrier_sync(bar, 128);
+}
+
+// S_out^T = S_in^T P^T + Q^T for this half's rows, in fp32 on the CUDA cores: St holds Q^T and
+// receives S_out^T; S_in^T [v, k'] and P^T [k', k] are read from the workspace.
+__device__ __forceinline__ void segment_fixup(const float* s_in, const float* pt, float (&St)[64], int half, int warp,
+                                              int lane) {
+  const int g4 = lane >> 2, t4 = lane & 3;
+  const float* row0 = s_in + (64 * half + kSubBlock * warp + g4) * kHeadDim;
+  const float* row1 = row0 + 8 * kHeadDim;
+#pragma unroll 2
+  for (int kk = 0; kk < kHeadDim; ++kk) {
+    const float a0 = row0[kk], a1 = row1[kk];
+    const float* prow = pt + kk * kHeadDim + 2 * t4;
+#pragma unroll
+    for (int n8 = 0; n8 < 16; ++n8) {
+      const float2 pv = *reinterpret_cast<const float2*>(prow + 8 * n8);
+      St[n8 * 4] = fmaf(a0, pv.x, St[n8 * 4]);
+      St[n8 * 4 + 1] = fmaf(a0, pv.y, St[n8 * 4 + 1]);
+      St[n8 * 4 + 2] = fmaf(a1, pv.x, St[n8 * 4 + 2]);
+      St[n8 * 4 + 3] = fmaf(a1, pv.y, St[n8 * 4 + 3]);
+    }
+  }
+}
+
+__device__ __forceinline__ void run_owner_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half,
+                                                          const CooperativeRole& role) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
   const int warp = tid >> 5, lane = tid & 31;
-  const int t4 = lane & 3;
   const NamedBarrierId bar = half ? NamedBarrierId::kState1 : NamedBarrierId::kState0;
   // Two o staging buffers of 8 KB (64 rows x 64 columns, SW128), alternating by chunk.
   uint8_t* const staging = smem.state_bf16[half];
   static_assert(sizeof(SharedStorage::state_bf16[0]) >= 2 * kBoxBytes, "two staging buffers per warpgroup");
+  const int G = kp.coop.segments;
   PipelineState pipe;
   PhaseTimer timer;
   timer.start();
 
   TileCursor cursor;
   for (WorkTile tile; next_tile</*kLongestFirst=*/false, /*kIsProducer=*/false, /*kOwner=*/true>(kp, smem, cursor, tile);) {
+    const ChunkRange range = segment_chunks(G, tile.num_chunks(), role.segment);
+    const int unit = role.tile * G + role.segment;
     float St[64];
-    load_initial_state_transposed(p, state_slot(p, tile), St, half, warp, lane);
-
-    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
-      StageStorage& st = smem.stage[pipe.stage];
-      cutlass::arch::ClusterBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
-      timer.mark(0);
-
-      // (a) S^T as bf16 A fragments, then (while (b) runs) the decay of the whole chunk applied
-      // to the fp32 accumulator: column k of S^T times exp2(G_last[k]).
-      uint32_t sa[8][4];
-      accumulator_to_fragments(St, sa);
-      const uint32_t w_base = smem_u32(st.k), qg_base = smem_u32(st.q);
-      float Pt[32];
+    auto chain = [&](bool with_u, bool with_out) {
+      for (int c = range.begin; c < range.end; ++c, pipe.advance())
+        owner_chunk_step(p, smem, pipe, St, tile, c, with_u, with_out, staging, bar, half, tid, timer);
+    };
+    if (role.p_chain) {  // P^T of this segment, this half's rows: the chain from S^T = I with U = 0
+      const int g4 = lane >> 2, t4 = lane & 3;
 #pragma unroll
-      for (int r = 0; r < 32; ++r) Pt[r] = 0.f;
-      float Ot[32];
+      for (int n8 = 0; n8 < 16; ++n8)
 #pragma unroll
-      for (int r = 0; r < 32; ++r) Ot[r] = 0.f;
-      fence_accumulators(Pt);
-      fence_accumulators(Ot);
-      wgmma_fence();
-      // (b) P^T = S^T W^T: k-step ks covers features 16 ks .. 16 ks + 15 (box ks / 4 of W's rows).
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        wgmma_rs<64, Major::K>(sa[ks], desc_k_major(w_base + (ks >> 2) * kBoxBytes + (ks & 3) * 32), Pt, true);
-      wgmma_commit();
-      // (d, first part) O^T = S^T QG^T, its own batch: runs while v_new is formed.
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks)
-        wgmma_rs<64, Major::K>(sa[ks], desc_k_major(qg_base + (ks >> 2) * kBoxBytes + (ks & 3) * 32), Ot, true);
-      wgmma_commit();
-#pragma unroll
-      for (int n8 = 0; n8 < 16; ++n8) {
-        const float2 r = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][8 * n8 + 2 * t4]);
-        const float f0 = fast_exp2(r.x), f1 = fast_exp2(r.y);
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          St[n8 * 4 + h2 * 2] *= f0;
-          St[n8 * 4 + h2 * 2 + 1] *= f1;
-        }
-      }
-      wgmma_wait<1>();  // P^T done (the O^T batch may still run)
-      fence_accumulators(Pt);
-      timer.mark(1);
-
-      // (c) v_new^T = U^T - P^T. U is the stage's [64 c, 128 v] tile; this half's columns are box
-      // `half`. ldmatrix.trans of the 8x8 block (rows c0.., columns v0..) gives the accumulator
-      // pair (v0 + g4, c0 + 2 t4 .. +1) of U^T: for k-step ks and fragment r, v0 = 16 w + 8 (r & 1),
-      // c0 = 16 ks + 8 (r >> 1); lanes 8 r .. 8 r + 7 address that block's rows.
-      uint32_t va[kChunk / 16][4];
-      {
-        const uint32_t u_base = smem_u32(st.v + half * kBoxBytes);
-        const int r = lane >> 3;
-        const int row_in = lane & 7;
-#pragma unroll
-        for (int ks = 0; ks < kChunk / 16; ++ks) {
-          uint32_t u[4];
-          const int c_row = 16 * ks + 8 * (r >> 1) + row_in;
-          ldmatrix_x4_trans(u_base + sw128_chunk_offset(c_row, 2 * warp + (r & 1)), u);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 uf = bf16x2_to_float2(u[q]);
-            va[ks][q] = float2_to_bf16x2(uf.x - Pt[8 * ks + 2 * q], uf.y - Pt[8 * ks + 2 * q + 1]);
-          }
-        }
-      }
-      timer.mark(2);
-
-      // (d) O^T += v_new^T A_qk^T and (e) S^T += v_new^T KT', one batch (after the O^T batch above
-      // in the WGMMA queue, which orders the two accumulations into O^T).
-      const uint32_t aqk_base = smem_u32(st.aqk), kt_base = smem_u32(st.g);
-      fence_accumulators(St);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks) wgmma_rs<64, Major::K>(va[ks], desc_k_major(aqk_base + ks * 32), Ot, true);
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_rs<128, Major::MN>(va[ks], desc_mn_major(kt_base + ks * kSubBlock * 128, kBoxBytes), St, true);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_accumulators(Ot);
-      fence_accumulators(St);
-      timer.mark(3);
-
-      // (d') O^T[v, i] += A_qk[i, i] v_new^T[v, i] (bf16 v_new, as in the product), then the stage
-      // is no longer read: release it.
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int i = 16 * ks + 8 * (q >> 1) + 2 * t4;
-          const float2 d = *reinterpret_cast<const float2*>(&st.aqk_diag[i]);
-          const float2 vn = bf16x2_to_float2(va[ks][q]);
-          Ot[8 * ks + 2 * q] = fmaf(d.x, vn.x, Ot[8 * ks + 2 * q]);
-          Ot[8 * ks + 2 * q + 1] = fmaf(d.y, vn.y, Ot[8 * ks + 2 * q + 1]);
-        }
-      cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
-
-      // (f) o = scale O: O^T's 8x8 blocks stored transposed, so the staging tile holds rows i,
-      // columns v (SW128, as write_output_rows reads it). stmatrix call ks covers O^T columns
-      // (= rows i) 16 ks .. 16 ks + 15; its matrix q is fragment q: rows i0 = 16 ks + 8 (q >> 1),
-      // columns v0 = 16 w + 8 (q & 1), whose row addresses lanes 8 q .. 8 q + 7 give.
-      uint8_t* const buf = staging + (c & 1) * kBoxBytes;
-      {
-        const uint32_t buf_base = smem_u32(buf);
-        const int q = lane >> 3;
-        const int row_in = lane & 7;
-#pragma unroll
-        for (int ks = 0; ks < kChunk / 16; ++ks) {
-          uint32_t o[4];
-#pragma unroll
-          for (int f = 0; f < 4; ++f)
-            o[f] = float2_to_bf16x2(Ot[8 * ks + 2 * f] * p.scale, Ot[8 * ks + 2 * f + 1] * p.scale);
-          const int i_row = 16 * ks + 8 * (q >> 1) + row_in;
-          stmatrix_x4_trans(buf_base + sw128_chunk_offset(i_row, 2 * warp + (q & 1)), o[0], o[1], o[2], o[3]);
-        }
-      }
-      named_barrier_sync(bar, 128);
-      write_output_rows(p, tile, c, buf, half, tid);
-      timer.mark(4);
+        for (int r = 0; r < 4; ++r)
+          St[n8 * 4 + r] = 64 * half + kSubBlock * warp + g4 + 8 * (r >> 1) == 8 * n8 + 2 * t4 + (r & 1) ? 1.f : 0.f;
+      chain(false, false);
+      matrix_rows_io<false>(p_matrix(kp, unit), St, half, warp, lane);
+      release_add(p_flag(kp, unit), bar, tid);
+      continue;
     }
-    store_final_state_transposed(p, state_slot(p, tile), St, half, warp, lane);
+    if (role.segment == 0) {
+      load_initial_state_transposed(p, state_slot(p, tile), St, half, warp, lane);
+    } else {
+      // Middle segments: Q^T, the chain from S = 0; then S_out = P S_in + Q for the next segment,
+      // once S_in (the previous segment's S_out) and both halves of P are published; then the
+      // rerun from S_in. The last segment needs no S_out: it waits for S_in and runs once.
+      if (role.segment < G - 1) {
+#pragma unroll
+        for (int r = 0; r < 64; ++r) St[r] = 0.f;
+        chain(true, false);
+      }
+      acquire_at_least(s_out_flag(kp, unit - 1, half), 1, bar, tid);
+      const float* s_in = s_out_matrix(kp, unit - 1);
+      if (role.segment < G - 1) {
+        acquire_at_least(p_flag(kp, unit), 2, bar, tid);
+        segment_fixup(s_in, p_matrix(kp, unit), St, half, warp, lane);
+        matrix_rows_io<false>(s_out_matrix(kp, unit), St, half, warp, lane);
+        release_add(s_out_flag(kp, unit, half), bar, tid);
+      }
+      matrix_rows_io<true>(const_cast<float*>(s_in), St, half, warp, lane);
+    }
+    chain(true, true);
+    if (role.segment == 0 && G > 1) {  // S_out of segment 0: its true final state
+      matrix_rows_io<false>(s_out_matrix(kp, unit), St, half, warp, lane);
+      release_add(s_out_flag(kp, unit, half), bar, tid);
+    }
+    if (role.segment == G - 1) store_final_state_transposed(p, state_slot(p, tile), St, half, warp, lane);
   }
-  zero_uncovered_rows(p, int(blockIdx.x) / kp.coop.value_split, tid + 128 * half, kp.coop.tiles);
+  if (!role.p_chain && role.segment == 0) zero_uncovered_rows(p, role.tile, tid + 128 * half, kp.coop.tiles);
   timer.report(half ? "owner1: wait P+decay vnew O+S store" : "owner0: wait P+decay vnew O+S store", tid);
 }
 

@@ -84,8 +84,10 @@ __device__ __forceinline__ TileInfo make_tile(const KdaPrefillParams& p, int seq
 // its CTA's parity; every other CTA is a helper.
 struct CooperativeRole {
   bool helper = false;
-  int tile = -1;  // owner: its tile
-  int half = -1;  // owner: -1 both halves, else 0 or 1
+  int tile = -1;         // owner: its tile
+  int half = -1;         // owner: -1 both halves, else 0 or 1
+  int segment = 0;       // owner with segments: its segment
+  bool p_chain = false;  // owner with segments: chains P (U = 0, from S = I) instead of the state
 };
 
 // The value split decided per tile on the device (CooperativePlan::split_on_device). Costs per
@@ -132,6 +134,16 @@ __device__ __forceinline__ CooperativeRole cooperative_role(const KdaKernelParam
   CooperativeRole role;
   if (b >= c.owners) {
     role.helper = true;
+  } else if (c.segments > 1) {  // [Q half 0, Q half 1, P half 0, P half 1] per segment
+    const int r = b % (4 * c.segments), q = r % 4;
+    role.segment = r / 4;
+    role.p_chain = q >= 2;
+    if (role.p_chain && (role.segment == 0 || role.segment == c.segments - 1)) {
+      role.helper = true;  // the first segment starts from the true state, the last has no successor: no P
+    } else {
+      role.tile = b / (4 * c.segments);
+      role.half = q % 2;
+    }
   } else if (c.value_split == 1) {
     role.tile = b;
   } else if (tile_has_two_owners(kp, b / 2)) {
@@ -209,7 +221,9 @@ __device__ __forceinline__ bool next_tile(const KdaKernelParams& kp, SharedStora
   const KdaPrefillParams& p = kp.problem;
   const int num_tiles = p.num_seqs * p.num_v_heads;
   if constexpr (!kLongestFirst) {
-    const int first = kOwner ? int(blockIdx.x) / kp.coop.value_split : int(blockIdx.x);
+    const int first = !kOwner ? int(blockIdx.x)
+                      : kp.coop.segments > 1 ? int(blockIdx.x) / (4 * kp.coop.segments)
+                                             : int(blockIdx.x) / kp.coop.value_split;
     const int r = first + cursor.k++ * int(gridDim.x);
     if (r >= num_tiles) return false;
     const int seq = r / p.num_v_heads;
@@ -259,6 +273,17 @@ __device__ __forceinline__ bool next_tile(const KdaKernelParams& kp, SharedStora
       cutlass::arch::ClusterBarrier::arrive(&smem.tile_empty_bar[slot]);
     return tile.seq >= 0;
   }
+}
+
+// Chunks [begin, end) of segment `seg` of a tile (CooperativePlan: segments of ceil(chunks / G)
+// chunks; the last ones of a short sequence may be empty).
+struct ChunkRange {
+  int begin, end;
+};
+__device__ __forceinline__ ChunkRange segment_chunks(int segments, int tile_chunks, int seg) {
+  const int per = (tile_chunks + segments - 1) / segments;
+  const int b = min(tile_chunks, seg * per);
+  return {b, min(tile_chunks, b + per)};
 }
 
 // (stage, phase) iterator over the shared-memory ring, advanced once per chunk by every role.
