@@ -224,12 +224,12 @@ def test_cula_cooperative_rule():
 
 def test_cula_segments_rule():
     """Very few tiles: the chains of G segments per tile at once where the model says it pays
-    (B1 T65536 H4: 5, B1 T131072 H2: 9; B1 T32768 H8: none), CULA_KDA_SEGMENTS forcing G while
+    (B1 T65536 H4: 4, B1 T131072 H2: 6; B1 T32768 H8: none), CULA_KDA_SEGMENTS forcing G while
     the owner region (4 G CTAs per tile) fits."""
     kw = dict(forced="", cooperative="", value_split="", segments_env="")
     assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, **kw) == "cooperative-split-on-device"
-    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132, **kw) == "cooperative-5-segments"
-    assert cula_schedule(Config("small", 1, 131072, 2, 2), 132, **kw) == "cooperative-9-segments"
+    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132, **kw) == "cooperative-4-segments"
+    assert cula_schedule(Config("small", 1, 131072, 2, 2), 132, **kw) == "cooperative-6-segments"
     assert cula_schedule(Config("small", 1, 65536, 4, 4), 132, **{**kw, "segments_env": "1"}) == \
         "cooperative-split-on-device"
     assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, **{**kw, "segments_env": "3"}) == \

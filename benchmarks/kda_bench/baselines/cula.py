@@ -35,8 +35,8 @@ def cula_segments(tiles: int, chunks_per_tile: int, all_chunks: int, sm_count: i
     best, best_us = 1, max(1.4 * chunks_per_tile, 12.0 * all_chunks / (sm_count - 2 * tiles))
     g = 3
     while fits(g):
-        chain = 2.0 * (-(-chunks_per_tile // g)) * 1.4 + (g - 2) * 10.0
-        us = max(chain, 12.0 * all_chunks / (sm_count - tiles * (4 * g - 4)))
+        seg = 1.4 * (-(-chunks_per_tile // g))
+        us = max(seg, 12.0 * all_chunks / (sm_count - tiles * (4 * g - 4))) + 20.0 * (g - 2) + seg + 60.0
         if us < best_us:
             best, best_us = g, us
         g += 1

@@ -82,13 +82,15 @@ struct Plan {
 };
 
 // Segments (kernel_params.cuh: CooperativePlan) for very few tiles. Model per launch, in us, from
-// what the host knows (mean chunks per tile C, tiles, SMs): the split owners' chain ~1.4 us per
-// chunk, a fix-up (S_out = P S_in + Q, fp32) ~10 us, a helper ~12 us per chunk. Without segments:
-// max(C x 1.4, all chunks x 12 / (SMs - 2 tiles)); with G >= 3: the first segment, then the
-// middle ones' fix-ups in order, then the last segment's run, max(2 ceil(C / G) x 1.4 + (G - 2) x
-// 10, all chunks x 12 / helpers), helpers = SMs - tiles x (4 G - 4) (the owner region holds 4 G
-// CTAs per tile, 4 of which help). The G with the least modelled time wins (docs/perf-notes.md):
-// B1 T32768 H8 none (G = 3 models the same), B1 T65536 H4 G = 5, B1 T131072 H2 G = 9.
+// what the host knows (mean chunks per tile C, tiles, SMs), fitted to H100 measurements
+// (docs/perf-notes.md): the split owners' chain ~1.4 us per chunk, a helper ~12 us per chunk, a
+// fix-up (S_out = P S_in + Q, fp32, L2-latency bound) ~20 us, ~60 us of start-up for the segment
+// pipeline. Without segments: max(C x 1.4, all chunks x 12 / (SMs - 2 tiles)). With G >= 3
+// segments of c = ceil(C / G) chunks: the middle segments' P and Q chains end when both they
+// and the helpers are through (max(c x 1.4, all chunks x 12 / helpers), helpers = SMs - tiles x
+// (4 G - 4): the owner region holds 4 G CTAs per tile, 4 of which help), then G - 2 fix-ups in
+// segment order, then the last segment's run (c x 1.4), + 60. The G with the least modelled time
+// wins: B1 T32768 H8 none, B1 T65536 H4 G = 4, B1 T131072 H2 G = 6 (the best of those measured).
 // CULA_KDA_SEGMENTS=G (read per call) forces G (1: none; G >= 3 while the owner region fits).
 int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count) {
   auto fits = [&](int g) { return tiles * 4 * g < sm_count; };
@@ -96,8 +98,8 @@ int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, 
   double best_us = std::max(1.4 * double(chunks_per_tile), 12.0 * double(all_chunks) / double(sm_count - 2 * tiles));
   for (int g = 3; fits(g); ++g) {
     const double helpers = double(sm_count - tiles * (4 * g - 4));
-    const double chain = 2.0 * double((chunks_per_tile + g - 1) / g) * 1.4 + double(g - 2) * 10.0;
-    const double us = std::max(chain, 12.0 * double(all_chunks) / helpers);
+    const double seg = 1.4 * double((chunks_per_tile + g - 1) / g);
+    const double us = std::max(seg, 12.0 * double(all_chunks) / helpers) + 20.0 * double(g - 2) + seg + 60.0;
     if (us < best_us) {
       best_us = us;
       best = g;
