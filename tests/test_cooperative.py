@@ -118,10 +118,12 @@ def _longest_tile_chunks(spec: Spec) -> int:
 
 def _check_segments(spec: Spec, inp: dict, o, s, o_whole, s_whole, what: str) -> None:
     """Fast decays: the contract of the fp32 recurrence, as everywhere. Slow decays (the state
-    keeps ~30 % of its past over a segment, so P S_in matters): the unsegmented cooperative launch
-    itself is at ~5.1e-3 from the recurrence on these inputs (long memory accumulates the bf16
-    operand roundings), so the segmented one must be as accurate as it (within 2 %) and within
-    MODE_RTOL of it (a wrong P or S_in would be off by O(10 %))."""
+    keeps ~30 % of its past over a segment, so P S_in matters) take every launch further from the
+    recurrence (B1 T4096 H2/HV4, measured on an H100: o 4.95e-3 fused, 5.14e-3 cooperative, 5.14e-3
+    in 3 or 4 segments; long memory accumulates the bf16 operand roundings), so there the
+    segmented launch must be as accurate as the unsegmented one (within 2 %) and within the
+    contract's 5e-3 of it (they differ by 2-3e-3, as cooperative and fused do by 3.9e-3; a wrong
+    P or S_in would be off by O(10 %))."""
     if spec.gate != "slow":
         compare_to_reference(spec, inp, o, s, what=what)
         return
@@ -130,7 +132,7 @@ def _check_segments(spec: Spec, inp: dict, o, s, o_whole, s_whole, what: str) ->
         assert bool(torch.isfinite(x.float()).all()), f"{what}: {name} not finite"
         err, err_whole = _rel(x, ref), _rel(x_whole, ref)
         assert err <= 1.02 * err_whole + 1e-5, f"{what}: {name} error {err:.3e} vs {err_whole:.3e} unsegmented"
-        assert _rel(x, x_whole) <= MODE_RTOL, f"{what}: {name} segments vs unsegmented {_rel(x, x_whole):.2e}"
+        assert _rel(x, x_whole) <= 5e-3, f"{what}: {name} segments vs unsegmented {_rel(x, x_whole):.2e}"
 
 
 @gpu_sm90
