@@ -1,0 +1,94 @@
+"""Same-process A/B of the launch knobs that cula reads per call (CULA_KDA_* environment variables).
+
+    python scripts/env_sweep.py --shapes 1x32768x8,1x65536x4 --env CULA_KDA_SEGMENTS=1,3,4,6
+    python scripts/env_sweep.py --shapes 1x8192x64 --env CULA_KDA_COOPERATIVE=0,1
+
+Each shape is ``BxTxH`` (H = HV, D = 128, the benchmark's default options: gate in kernel with
+``lower_bound=-5``, l2norm in kernel, final state out). For every value of the variable the script
+times single eager calls on the same inputs, interleaving the values call by call (so drifts of the
+clock or the machine hit every value alike), and prints per value the CUDA-event median, the
+spread (min-max of the middle half) and the relative L2 difference of o and of the final state
+from the first value's results (launch variants must agree to within the numerics contract).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def sweep(B: int, T: int, H: int, name: str, values: list[str], reps: int) -> list[str]:
+    from cula.kda import kda_prefill
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, g = (torch.randn(B, T, H, 128, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4))
+    beta = torch.sigmoid(torch.randn(B, T, H, device=dev, generator=gen))
+    A_log = torch.empty(H, device=dev).uniform_(1.0, 16.0, generator=gen).log()
+    dt_bias = 0.5 * torch.randn(H * 128, device=dev, generator=gen)
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return kda_prefill(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, safe_gate=True,
+                           lower_bound=-5.0, backend="sm90")
+
+    saved = os.environ.get(name)
+    results, times = {}, {x: [] for x in values}
+    try:
+        for x in values:
+            os.environ[name] = x
+            results[x] = call()
+            for _ in range(3):
+                call()
+        for _ in range(reps):
+            for x in values:
+                os.environ[name] = x
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                call()
+                end.record()
+                torch.cuda.synchronize()
+                times[x].append(start.elapsed_time(end))
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+    o0, s0 = results[values[0]]
+    lines = []
+    for x in values:
+        t = sorted(times[x])
+        mid = t[len(t) // 4: max(len(t) // 4 + 1, 3 * len(t) // 4)]
+        o, s = results[x]
+        lines.append(f"B{B} T{T} H{H} {name}={x}: {statistics.median(t):.3f} ms "
+                     f"(middle half {mid[0]:.3f}-{mid[-1]:.3f}), vs {name}={values[0]}: "
+                     f"o {_rel(o, o0):.1e} state {_rel(s, s0):.1e}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", required=True, help="comma-separated BxTxH")
+    ap.add_argument("--env", required=True, help="NAME=v1,v2,...")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    name, _, vals = args.env.partition("=")
+    values = [x for x in vals.split(",") if x]
+    if not name or not values:
+        ap.error("--env needs NAME=v1,v2,...")
+    for shape in args.shapes.split(","):
+        B, T, H = (int(x) for x in shape.lower().split("x"))
+        for line in sweep(B, T, H, name, values, args.reps):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
