@@ -95,12 +95,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
         run_load_producer<kLongestFirst>(kp, smem);
       }
     }
-  } else if (role == WarpgroupRole::kIntra) {
+  } else if (role == WarpgroupRole::kIntra || (helper && role == WarpgroupRole::kState0)) {
     if constexpr (kCoop) {
-      if (helper) {
+      // A helper's warpgroup 2 is its second intra-chunk warpgroup (helper_intra == 2), on the
+      // state warpgroups' tiles (one call site: one copy of the intra code in the kernel).
+      const int which = role == WarpgroupRole::kIntra ? 0 : 1;
+      if (helper && which < kp.coop.helper_intra) {
         cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem);
-      } else {
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, which);
+      } else if (!helper) {
         cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();  // for the owner's state warpgroups
       }
     } else {
@@ -108,8 +111,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, kDecays>(kp, smem);
     }
   } else if (helper) {
-    if constexpr (kCoop) {
-      if (threadIdx.x == first_thread(WarpgroupRole::kState0)) run_workspace_storer(kp, smem);
+    if constexpr (kCoop) {  // one thread of warpgroup 3 is the storer
+      if (threadIdx.x == first_thread(WarpgroupRole::kState1)) run_workspace_storer(kp, smem);
     }
   } else {  // kState0, kState1: one half of the value columns each
     const int half = int(role) - int(WarpgroupRole::kState0);
