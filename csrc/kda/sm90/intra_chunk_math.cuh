@@ -777,7 +777,9 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, Decays kDecays = Decays::kSafe>
 __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem, int which = 0) {
   const KdaPrefillParams& p = kp.problem;
-  const int tid = threadIdx.x - first_thread(which ? WarpgroupRole::kState0 : WarpgroupRole::kIntra);
+  // The thread's index in its warpgroup (1 or, for a helper's second intra warpgroup, 2), the same
+  // expression for both: see the kernel's helper branch (C7518).
+  const int tid = threadIdx.x % kWarpgroupThreads;
   const IntraScratch ws = intra_scratch_of(smem, which);
   PipelineState pipe;
   PhaseTimer timer;

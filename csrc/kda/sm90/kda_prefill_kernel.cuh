@@ -95,15 +95,12 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
         run_load_producer<kLongestFirst>(kp, smem);
       }
     }
-  } else if (role == WarpgroupRole::kIntra || (helper && role == WarpgroupRole::kState0)) {
+  } else if (role == WarpgroupRole::kIntra) {
     if constexpr (kCoop) {
-      // A helper's warpgroup 2 is its second intra-chunk warpgroup (helper_intra == 2), on the
-      // state warpgroups' tiles (one call site: one copy of the intra code in the kernel).
-      const int which = role == WarpgroupRole::kIntra ? 0 : 1;
-      if (helper && which < kp.coop.helper_intra) {
+      if (helper) {
         cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, which);
-      } else if (!helper) {
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, 0);
+      } else {
         cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();  // for the owner's state warpgroups
       }
     } else {
@@ -111,8 +108,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, kDecays>(kp, smem);
     }
   } else if (helper) {
-    if constexpr (kCoop) {  // one thread of warpgroup 3 is the storer
-      if (threadIdx.x == first_thread(WarpgroupRole::kState1)) run_workspace_storer(kp, smem);
+    if constexpr (kCoop) {
+      // A helper's warpgroup 2 is its second intra-chunk warpgroup (helper_intra == 2), on the
+      // state warpgroups' tiles; one thread of warpgroup 3 is the storer. Its own call site, in
+      // this branch: one call site entered by warpgroups 1 and 2 (or a thread index that tells the
+      // two apart inside the intra code) makes ptxas serialize every WGMMA of the kernel, the
+      // owners' included (C7518, "WG.DP in divergent path"; 25-30 % slower on an H100).
+      if (role == WarpgroupRole::kState0) {
+        if (kp.coop.helper_intra == 2) {
+          cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
+          run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, 1);
+        }
+      } else if (threadIdx.x == first_thread(WarpgroupRole::kState1)) {
+        run_workspace_storer(kp, smem);
+      }
     }
   } else {  // kState0, kState1: one half of the value columns each
     const int half = int(role) - int(WarpgroupRole::kState0);
