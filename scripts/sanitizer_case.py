@@ -180,11 +180,6 @@ def main() -> int:
         print(f"sanitizer_case: CULA_KDA_COOPERATIVE=1 CULA_KDA_VALUE_SPLIT={split or '(unset)'}", flush=True)
         results += [run_one(*cfg) for cfg in CONFIGS[:2]]
         results.append(run_bad_cu_seqlens())
-    # One intra-chunk warpgroup per helper (the default runs two: CULA_KDA_HELPER_INTRA).
-    os.environ["CULA_KDA_HELPER_INTRA"] = "1"
-    print("sanitizer_case: CULA_KDA_COOPERATIVE=1 CULA_KDA_HELPER_INTRA=1", flush=True)
-    results += [run_one(*cfg) for cfg in CONFIGS[:2]]
-    del os.environ["CULA_KDA_HELPER_INTRA"]
     # Segments (CULA_KDA_SEGMENTS=4: the chains of 4 segments per tile at once, fp32 fix-ups
     # through the workspace): 2 sequences x 4 heads, so the owner region (16 CTAs per tile) fits.
     os.environ["CULA_KDA_SEGMENTS"] = "4"

@@ -29,7 +29,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cula.kda import kda_prefill
 from test_sm90 import Spec, compare_to_reference, gpu_sm90, make_inputs, run_reference, run_sm90, varlen
 
 CASES = [
@@ -96,46 +95,6 @@ def test_value_split_is_bitwise_one_owner(lengths: list[int], HV: int, seed: int
     o3, s3 = _run(inp, "1", monkeypatch, None)
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
     assert torch.equal(o1, o3) and torch.equal(s1, s3)
-
-
-#: ``CULA_KDA_HELPER_INTRA``: one intra-chunk warpgroup per helper CTA, or two (the default), each
-#: on every other stage of the ring, the second in the state warpgroups' shared memory.
-HELPER_INTRA_CASES = [
-    pytest.param(varlen("mix", [3000, 1, 0, 64, 65, 130, 2000], H=2, HV=4, h0=True, layout="vk"), None, id="mix"),
-    pytest.param(Spec(B=1, T=8192, H=16, HV=16, h0=True, layout="kv"), None, id="B1_T8192_H16"),
-    pytest.param(Spec(B=1, T=6000, H=1, HV=2, h0=True, layout="kv", gate="slow"), "4", id="segments"),
-    pytest.param(Spec(B=1, T=3000, H=2, HV=4, h0=True, layout="vk"), "softplus", id="softplus"),
-]
-
-
-@gpu_sm90
-@pytest.mark.parametrize("spec,variant", HELPER_INTRA_CASES)
-def test_two_helper_intra_warpgroups_bitwise_one(spec: Spec, variant: str | None, seed: int, monkeypatch):
-    """A chunk's finished stage is the same arithmetic whichever intra-chunk warpgroup of whichever
-    helper computes it (the second one works in other shared memory, under its own named barrier):
-    two per helper give bitwise the results of one, also with segments and with the general-gate
-    (softplus) kernel, and both are within the contract of the fp32 recurrence."""
-    if variant == "softplus":
-        from test_sm90 import _general_gate_inputs
-        inp = _general_gate_inputs("softplus", spec)
-    else:
-        inp = make_inputs(spec)
-        if variant is not None:
-            monkeypatch.setenv("CULA_KDA_SEGMENTS", variant)
-    monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
-    monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
-    out = {}
-    for n in ("1", "2"):
-        monkeypatch.setenv("CULA_KDA_HELPER_INTRA", n)
-        out[n] = kda_prefill(**inp, output_final_state=True, safe_gate=variant != "softplus", backend="sm90")
-    assert torch.equal(out["1"][0], out["2"][0]) and torch.equal(out["1"][1], out["2"][1])
-    what = f"{spec.id} cooperative, two helper intra warpgroups"
-    if spec.gate == "slow":  # segments with slow decays: the accuracy rule of _check_segments
-        monkeypatch.delenv("CULA_KDA_SEGMENTS")
-        o_whole, s_whole = kda_prefill(**inp, output_final_state=True, safe_gate=True, backend="sm90")
-        _check_segments(spec, inp, *out["2"], o_whole, s_whole, what)
-    else:
-        compare_to_reference(spec, inp, *out["2"], what=what)
 
 
 #: ``CULA_KDA_SEGMENTS=G``: each tile's chunks in G segments whose chains run at once (the first

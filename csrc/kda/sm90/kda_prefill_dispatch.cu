@@ -131,11 +131,6 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   plan.cooperative = true;
   plan.coop.slots_per_head = slots;
   plan.coop.tiles = int(num_tiles);
-  // Two intra-chunk warpgroups per helper CTA (kernel_params.cuh), each a latency-bound chain on
-  // one warp per scheduler: together they fill issue slots one leaves idle.
-  // CULA_KDA_HELPER_INTRA=1 (read per call) keeps one.
-  const char* intra_env = std::getenv("CULA_KDA_HELPER_INTRA");
-  plan.coop.helper_intra = intra_env != nullptr && std::strcmp(intra_env, "1") == 0 ? 1 : 2;
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
   // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a
   // chunk in ~12-13 us and the owner's chain takes ~2.6 us per chunk (docs/perf-notes.md), so a

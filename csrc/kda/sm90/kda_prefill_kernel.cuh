@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     if constexpr (kCoop) {
       if (helper) {
         cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, 0);
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem);
       } else {
         cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();  // for the owner's state warpgroups
       }
@@ -109,19 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     }
   } else if (helper) {
     if constexpr (kCoop) {
-      // A helper's warpgroup 2 is its second intra-chunk warpgroup (helper_intra == 2), on the
-      // state warpgroups' tiles; one thread of warpgroup 3 is the storer. Its own call site, in
-      // this branch: one call site entered by warpgroups 1 and 2 (or a thread index that tells the
-      // two apart inside the intra code) makes ptxas serialize every WGMMA of the kernel, the
-      // owners' included (C7518, "WG.DP in divergent path"; 25-30 % slower on an H100).
-      if (role == WarpgroupRole::kState0) {
-        if (kp.coop.helper_intra == 2) {
-          cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-          run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, 1);
-        }
-      } else if (threadIdx.x == first_thread(WarpgroupRole::kState1)) {
-        run_workspace_storer(kp, smem);
-      }
+      if (threadIdx.x == first_thread(WarpgroupRole::kState0)) run_workspace_storer(kp, smem);
     }
   } else {  // kState0, kState1: one half of the value columns each
     const int half = int(role) - int(WarpgroupRole::kState0);

@@ -77,7 +77,6 @@ struct CooperativePlan {
   bool split_on_device = false;  // value_split == 2: each tile's second CTA is an owner or a helper by the model
   int segments = 1;            // G: segments per tile (1: none; then owners = tiles x value_split)
   int owners = 0;              // CTAs [0, owners) are the owner region (tiles x 4 G with segments)
-  int helper_intra = 1;        // intra-chunk warpgroups per helper CTA: 1, or 2 (warpgroups 1 and 2, one stage each)
   int* sync = nullptr;         // flags and counters (zeroed per launch)
   float* matrices = nullptr;   // segments: P^T then S_out^T, [tiles x G][128 x 128] fp32 each
 };
