@@ -4,6 +4,7 @@
 * The compiled extension ``cula._C``: it imports, it holds only sm_90a device code
   (``cuobjdump --list-elf``), and its SASS uses the Hopper pipeline that the fused kernel is built
   on (``cuobjdump -sass``: HGMMA, UTMALDG, SYNCS, USETMAXREG).
+* Every kernel instantiation compiles without ptxas serializing its WGMMAs (C75xx messages).
 
 Where the extension was not built these checks are skipped with the reason, except under
 ``CULA_REQUIRE_KERNELS=1`` (CI), where a missing extension or a missing cuobjdump/nvdisasm fails.
@@ -205,3 +206,60 @@ def test_kernel_sass_has_hopper_pipeline_hgmma_tma_mbarrier_setmaxnreg(ext_so, c
         (fully) there: HGMMA = wgmma, UTMALDG = TMA loads, SYNCS = mbarrier pipeline,
         USETMAXREG = producer/consumer register split."""
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# WGMMA serialization (ptxas C75xx) in the kernel instantiations
+# ---------------------------------------------------------------------------------------------
+
+INSTANTIATIONS = sorted(glob.glob(os.path.join(ROOT, "csrc", "kda", "sm90", "instantiations", "*.cu")))
+
+
+@functools.lru_cache(maxsize=None)
+def _ptxas_messages() -> dict[str, str]:
+    """ptxas' messages per instantiation, each compiled to a cubin as setup.py compiles it (the
+    "Potential Performance Loss" lines come without -v), all at once on every core."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = importlib.util.spec_from_file_location("cula_setup_py_ptxas", os.path.join(ROOT, "setup.py"))
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)
+    cuda_home = setup_py.find_cuda_home()
+    cutlass = setup_py.find_cutlass_include()
+    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
+    if nvcc is None or not os.path.isfile(nvcc) or cutlass is None:
+        return {}
+    includes = [os.path.join(ROOT, "csrc"), cutlass]
+    util = setup_py._cutlass_util_include(cutlass)
+    if util:
+        includes.append(util)
+
+    def compile_one(source: str) -> str:
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+                   "-DNDEBUG", "-cubin", "-o", os.path.join(tmp, "k.cubin"), *[f"-I{d}" for d in includes], source]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if out.returncode != 0:
+            return f"COMPILE FAILED: {' '.join(cmd)}\n{out.stdout}{out.stderr}"
+        return out.stdout + out.stderr
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(INSTANTIATIONS, pool.map(compile_one, INSTANTIATIONS)))
+
+
+@pytest.mark.parametrize("source", INSTANTIATIONS, ids=[os.path.basename(s)[len("kda_prefill_sm90_"):-3]
+                                                         for s in INSTANTIATIONS])
+def test_no_wgmma_serialization(source):
+    """ptxas makes every WGMMA of a kernel synchronous when it cannot prove the asynchronous
+    pipeline safe (C7510-C7520: "Potential Performance Loss: wgmma.mma_async instructions are
+    serialized ..."). The results stay right and the kernel gets 25-30 % slower (measured on an
+    H100 when one intra-chunk call site was entered by two warpgroups), so it is a build failure
+    here, with ptxas' reason."""
+    all_messages = _ptxas_messages()
+    if not all_messages:
+        _missing("nvcc or the CUTLASS headers not found (setup.py's find_cuda_home / find_cutlass_include)")
+    messages = all_messages[source]
+    assert not messages.startswith("COMPILE FAILED"), messages
+    serialized = [line for line in messages.splitlines() if re.search(r"\(C75\d\d\)", line)]
+    assert not serialized, "\n".join(serialized)
