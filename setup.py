@@ -37,6 +37,23 @@ KERNEL_SOURCE_GLOBS = (
 BINDING_SOURCE_GLOBS = ("csrc/api/*.cpp",)
 
 
+# nvcc flags of the kernel sources (tests/test_build.py compiles each instantiation with them too).
+KERNEL_NVCC_FLAGS = (
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-O3",
+    "-std=c++17",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+    "-DNDEBUG",
+    # torch adds -D__CUDA_NO_{HALF,BFLOAT16}_* for its own kernels; the CuTe code uses the
+    # bf16/half operators, and the CMake build compiles the same sources without them.
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+)
+
+
 def _truthy(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -247,20 +264,7 @@ def plan_extension():
     if extra_include:
         include_dirs.append(extra_include)
 
-    nvcc_flags = [
-        "-gencode=arch=compute_90a,code=sm_90a",
-        "-O3",
-        "-std=c++17",
-        "--expt-relaxed-constexpr",
-        "-lineinfo",
-        "-DNDEBUG",
-        # torch adds -D__CUDA_NO_{HALF,BFLOAT16}_* for its own kernels; the CuTe code uses the
-        # bf16/half operators, and the CMake build compiles the same sources without them.
-        "-U__CUDA_NO_HALF_OPERATORS__",
-        "-U__CUDA_NO_HALF_CONVERSIONS__",
-        "-U__CUDA_NO_HALF2_OPERATORS__",
-        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    ]
+    nvcc_flags = list(KERNEL_NVCC_FLAGS)
     if _truthy("CULA_PTXAS_VERBOSE"):
         nvcc_flags.append("-Xptxas=-v")
     # No -std for the C++ compiler: the binding includes torch headers, and torch picks the

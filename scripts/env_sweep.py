@@ -3,12 +3,14 @@
     python scripts/env_sweep.py --shapes 1x32768x8,1x65536x4 --env CULA_KDA_SEGMENTS=1,3,4,6
     python scripts/env_sweep.py --shapes 1x8192x64 --env CULA_KDA_COOPERATIVE=0,1
 
-Each shape is ``BxTxH`` (H = HV, D = 128, the benchmark's default options: gate in kernel with
-``lower_bound=-5``, l2norm in kernel, final state out). For every value of the variable the script
-times single eager calls on the same inputs, interleaving the values call by call (so drifts of the
-clock or the machine hit every value alike), and prints per value the CUDA-event median, the
-spread (min-max of the middle half) and the relative L2 difference of o and of the final state
-from the first value's results (launch variants must agree to within the numerics contract).
+Each shape is ``BxTxH`` (H = HV, D = 128) with the benchmark's inputs and options
+(`benchmarks/kda_bench`: gate in kernel with ``lower_bound=-5``, l2norm in kernel, final state
+out; ``--softplus-gate`` for Kimi-Linear's unbounded gate). For every value of the variable the
+script times single eager calls on the same inputs, interleaving the values call by call (so
+drifts of the clock or the machine hit every value alike), and prints per value the CUDA-event
+median, the spread (min-max of the middle half) and the relative L2 difference of o and of the
+final state from the first value's results (launch variants must agree to within the numerics
+contract).
 """
 
 from __future__ import annotations
@@ -16,28 +18,26 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 
 import torch
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (os.path.join(_REPO, "benchmarks"), _REPO):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+from kda_bench.baselines.cula import CulaBaseline  # noqa: E402  (needs the path above)
+from kda_bench.inputs import Options, make_inputs  # noqa: E402
+from kda_bench.reference import rel_err  # noqa: E402
+from kda_bench.suite import Config  # noqa: E402
 
 
-def sweep(B: int, T: int, H: int, name: str, values: list[str], reps: int) -> list[str]:
-    from cula.kda import kda_prefill
-
-    dev = "cuda"
+def sweep(B: int, T: int, H: int, name: str, values: list[str], reps: int, opt: Options) -> list[str]:
+    dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v, g = (torch.randn(B, T, H, 128, device=dev, generator=gen).to(torch.bfloat16) for _ in range(4))
-    beta = torch.sigmoid(torch.randn(B, T, H, device=dev, generator=gen))
-    A_log = torch.empty(H, device=dev).uniform_(1.0, 16.0, generator=gen).log()
-    dt_bias = 0.5 * torch.randn(H * 128, device=dev, generator=gen)
-
-    def call() -> tuple[torch.Tensor, torch.Tensor]:
-        return kda_prefill(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, safe_gate=True,
-                           lower_bound=-5.0, backend="sm90")
+    inputs = make_inputs(Config("fixed", B, T, H, H), opt, dev, torch.bfloat16, gen, None)
+    call = CulaBaseline(opt).prepare(inputs)
 
     saved = os.environ.get(name)
     results, times = {}, {x: [] for x in values}
@@ -70,7 +70,7 @@ def sweep(B: int, T: int, H: int, name: str, values: list[str], reps: int) -> li
         o, s = results[x]
         lines.append(f"B{B} T{T} H{H} {name}={x}: {statistics.median(t):.3f} ms "
                      f"(middle half {mid[0]:.3f}-{mid[-1]:.3f}), vs {name}={values[0]}: "
-                     f"o {_rel(o, o0):.1e} state {_rel(s, s0):.1e}")
+                     f"o {rel_err(o, o0):.1e} state {rel_err(s, s0):.1e}")
     return lines
 
 
@@ -79,14 +79,16 @@ def main() -> None:
     ap.add_argument("--shapes", required=True, help="comma-separated BxTxH")
     ap.add_argument("--env", required=True, help="NAME=v1,v2,...")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--softplus-gate", action="store_true", help="Kimi-Linear's gate (safe_gate=False)")
     args = ap.parse_args()
+    opt = Options(softplus_gate=args.softplus_gate)
     name, _, vals = args.env.partition("=")
     values = [x for x in vals.split(",") if x]
     if not name or not values:
         ap.error("--env needs NAME=v1,v2,...")
     for shape in args.shapes.split(","):
         B, T, H = (int(x) for x in shape.lower().split("x"))
-        for line in sweep(B, T, H, name, values, args.reps):
+        for line in sweep(B, T, H, name, values, args.reps, opt):
             print(line, flush=True)
 
 

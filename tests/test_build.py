@@ -49,12 +49,16 @@ def _missing(reason: str):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def setup_module():
+def _load_setup_py():
     spec = importlib.util.spec_from_file_location("cula_setup_py", os.path.join(ROOT, "setup.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # defines helpers only: setup() runs under __main__
     return module
+
+
+@pytest.fixture
+def setup_module():
+    return _load_setup_py()
 
 
 def _write_exe(path: str, text: str) -> None:
@@ -217,14 +221,12 @@ INSTANTIATIONS = sorted(glob.glob(os.path.join(ROOT, "csrc", "kda", "sm90", "ins
 
 @functools.lru_cache(maxsize=None)
 def _ptxas_messages() -> dict[str, str]:
-    """ptxas' messages per instantiation, each compiled to a cubin as setup.py compiles it (the
-    "Potential Performance Loss" lines come without -v), all at once on every core."""
+    """ptxas' messages per instantiation, each compiled to a cubin with setup.py's flags and
+    includes (the "Potential Performance Loss" lines come without -v), all at once on every core."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
-    spec = importlib.util.spec_from_file_location("cula_setup_py_ptxas", os.path.join(ROOT, "setup.py"))
-    setup_py = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup_py)
+    setup_py = _load_setup_py()
     cuda_home = setup_py.find_cuda_home()
     cutlass = setup_py.find_cutlass_include()
     nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
@@ -237,8 +239,8 @@ def _ptxas_messages() -> dict[str, str]:
 
     def compile_one(source: str) -> str:
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
-                   "-DNDEBUG", "-cubin", "-o", os.path.join(tmp, "k.cubin"), *[f"-I{d}" for d in includes], source]
+            cmd = [nvcc, *setup_py.KERNEL_NVCC_FLAGS, "-cubin", "-o", os.path.join(tmp, "k.cubin"),
+                   *[f"-I{d}" for d in includes], source]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if out.returncode != 0:
             return f"COMPILE FAILED: {' '.join(cmd)}\n{out.stdout}{out.stderr}"
