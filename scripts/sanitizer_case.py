@@ -180,6 +180,13 @@ def main() -> int:
         print(f"sanitizer_case: CULA_KDA_COOPERATIVE=1 CULA_KDA_VALUE_SPLIT={split or '(unset)'}", flush=True)
         results += [run_one(*cfg) for cfg in CONFIGS[:2]]
         results.append(run_bad_cu_seqlens())
+    # The other forms of the mode (the default: a helpers' kernel with two intra-chunk warpgroups
+    # per CTA, then the owners' kernel started while it runs).
+    for name, value in (("CULA_KDA_HELPER_INTRA", "1"), ("CULA_KDA_OVERLAP_OWNERS", "0"), ("CULA_KDA_HELPER_KERNEL", "0")):
+        os.environ[name] = value
+        print(f"sanitizer_case: CULA_KDA_COOPERATIVE=1 {name}={value}", flush=True)
+        results += [run_one(*cfg) for cfg in CONFIGS[:2]]
+        del os.environ[name]
     # Segments (CULA_KDA_SEGMENTS=4: the chains of 4 segments per tile at once, fp32 fix-ups
     # through the workspace): 2 sequences x 4 heads, so the owner region (16 CTAs per tile) fits.
     os.environ["CULA_KDA_SEGMENTS"] = "4"

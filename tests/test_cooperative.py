@@ -29,6 +29,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cula.kda import kda_prefill
 from test_sm90 import Spec, compare_to_reference, gpu_sm90, make_inputs, run_reference, run_sm90, varlen
 
 CASES = [
@@ -95,6 +96,61 @@ def test_value_split_is_bitwise_one_owner(lengths: list[int], HV: int, seed: int
     o3, s3 = _run(inp, "1", monkeypatch, None)
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
     assert torch.equal(o1, o3) and torch.equal(s1, s3)
+
+
+#: The cooperative mode's two forms: the helpers in a kernel of their own, launched before the
+#: owners' kernel, with two intra-chunk warpgroups per helper CTA (the default; the second works in
+#: the state warpgroups' shared memory under its own named barrier), or one
+#: (``CULA_KDA_HELPER_INTRA=1``), and with the owners' kernel started while the helpers run (the
+#: default) or after them (``CULA_KDA_OVERLAP_OWNERS=0``); or one kernel with both roles
+#: (``CULA_KDA_HELPER_KERNEL=0``).
+HELPER_FORMS = {
+    "two_kernels": {},
+    "one_intra_warpgroup": {"CULA_KDA_HELPER_INTRA": "1"},
+    "owners_after_helpers": {"CULA_KDA_OVERLAP_OWNERS": "0"},
+    "one_kernel": {"CULA_KDA_HELPER_KERNEL": "0"},
+}
+HELPER_FORM_CASES = [
+    pytest.param(varlen("mix", [3000, 1, 0, 64, 65, 130, 2000], H=2, HV=4, h0=True, layout="vk"), None, id="mix"),
+    pytest.param(Spec(B=1, T=8192, H=16, HV=16, h0=True, layout="kv"), None, id="B1_T8192_H16"),
+    pytest.param(Spec(B=1, T=6000, H=1, HV=2, h0=True, layout="kv", gate="slow"), "4", id="segments"),
+    pytest.param(Spec(B=1, T=3000, H=2, HV=4, h0=True, layout="vk"), "softplus", id="softplus"),
+]
+
+
+@gpu_sm90
+@pytest.mark.parametrize("spec,variant", HELPER_FORM_CASES)
+def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, monkeypatch):
+    """A chunk's finished stage is the same arithmetic whichever intra-chunk warpgroup of whichever
+    helper, in whichever kernel, computes it, and the owners read it the same way whenever they
+    start: every form of the mode gives bitwise the same results, also with segments and with the
+    general-gate (softplus) kernel, and they are within the contract of the fp32 recurrence."""
+    if variant == "softplus":
+        from test_sm90 import _general_gate_inputs
+        inp = _general_gate_inputs("softplus", spec)
+    else:
+        inp = make_inputs(spec)
+        if variant is not None:
+            monkeypatch.setenv("CULA_KDA_SEGMENTS", variant)
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
+    monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
+    out = {}
+    for form, env in HELPER_FORMS.items():
+        for name in ("CULA_KDA_HELPER_INTRA", "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_HELPER_KERNEL"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        out[form] = kda_prefill(**inp, output_final_state=True, safe_gate=variant != "softplus", backend="sm90")
+    o, s = out["two_kernels"]
+    for form, (o_f, s_f) in out.items():
+        assert torch.equal(o, o_f) and torch.equal(s, s_f), f"{spec.id}: {form} differs from two_kernels"
+    what = f"{spec.id} cooperative, two kernels"
+    if spec.gate == "slow":  # segments with slow decays: the accuracy rule of _check_segments
+        monkeypatch.delenv("CULA_KDA_SEGMENTS")
+        o_whole, s_whole = kda_prefill(**inp, output_final_state=True, safe_gate=True, backend="sm90")
+        _check_segments(spec, inp, o, s, o_whole, s_whole, what)
+    else:
+        compare_to_reference(spec, inp, o, s, what=what)
 
 
 #: ``CULA_KDA_SEGMENTS=G``: each tile's chunks in G segments whose chains run at once (the first

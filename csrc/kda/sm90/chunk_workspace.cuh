@@ -168,13 +168,18 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
       issue_stage_loads(kp, smem.full_bar[pipe.stage], st, tile, token, lane);
     }
   }
-  StageStorage& st = smem.stage[pipe.stage];
-  cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
-  if (lane == 0) st.rows = -1;  // no chunk left: the intra warpgroup and the storer stop
-  cutlass::arch::ClusterBarrier::arrive(&smem.full_bar[pipe.stage]);
+  // No chunk left: an end mark (rows = -1) in the next stage of each intra warpgroup (the first
+  // also stops the storer, which reads the stages in ring order). The second mark's stage is
+  // free once the storer took the chunk before the first mark.
+  for (int w = 0; w < kp.coop.helper_intra; ++w, pipe.advance()) {
+    StageStorage& st = smem.stage[pipe.stage];
+    cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+    if (lane == 0) st.rows = -1;
+    cutlass::arch::ClusterBarrier::arrive(&smem.full_bar[pipe.stage]);
+  }
 }
 
-// Helper storer (one thread of warpgroup 2): each stage the intra-chunk warpgroup finished goes to
+// Helper storer (one thread of warpgroup 3): each stage an intra-chunk warpgroup finished goes to
 // its workspace slot as one bulk copy. The owner reads the slot once the flag is set, so the copy
 // must have landed first: wait for the writes (not only for the read of shared memory), order
 // them (async proxy) before the flag (generic), and set the flag with release semantics. Then the

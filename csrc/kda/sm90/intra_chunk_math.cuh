@@ -44,6 +44,28 @@ constexpr float kL2NormEps = 1e-6f;
 constexpr float kGateFloorLog2 = -200.f;
 constexpr float kWideSpanLog2 = 100.f;
 
+// The shared memory one intra-chunk warpgroup works in besides its stage. The fused kernel and a
+// cooperative helper's first intra warpgroup use SharedStorage's intra fields; a helper's second
+// intra warpgroup (kp.coop.helper_intra == 2) uses the state warpgroups' tiles, which a helper
+// never touches (its state warpgroups only host the storer thread). The named barrier is the
+// warpgroup's own, so two intra warpgroups never wait for each other.
+struct IntraScratch {
+  uint8_t* inverse_operand;   // kTileBytes, 1024-aligned: the inverse's B operands (and the wide corrections)
+  float (*a_ref)[kHeadDim];   // [kNumSubBlocks][kHeadDim]: general gates' factor references
+  uint8_t* scratch;           // 8 KB: kRnormOffset, kRowStatsOffset, kDiagOffset, the wide staging
+  NamedBarrierId bar;
+};
+static_assert(sizeof(SharedStorage::state_bf16[0]) >= kTileBytes && sizeof(SharedStorage::state_bf16[1]) >= 8192 &&
+                  sizeof(SharedStorage::v_new[0]) >= kNumSubBlocks * kHeadDim * sizeof(float) &&
+                  sizeof(SharedStorage::intra_scratch) == 8192,
+              "a helper's second intra warpgroup works in the state warpgroups' tiles");
+// which = 0: the intra fields (every kernel); 1: the second intra warpgroup of a cooperative helper.
+__device__ __forceinline__ IntraScratch intra_scratch_of(SharedStorage& smem, int which) {
+  if (which == 0) return {smem.inverse_operand, smem.a_ref, smem.intra_scratch, NamedBarrierId::kIntra};
+  return {smem.state_bf16[0], reinterpret_cast<float (*)[kHeadDim]>(smem.v_new[0]), smem.state_bf16[1],
+          NamedBarrierId::kHelperIntra1};
+}
+
 // Exact diagonal-block terms of wide features (general gates), per (block, warp of the pair that
 // holds the block's rows, which: 0 A_qk, 1 A_kk): the warp's partial sum over its 64 features,
 // float [4 blocks][2 warps][2][16 i][16 j] = 16 KB in the inverse's operand buffer, which is free
@@ -51,8 +73,8 @@ constexpr float kWideSpanLog2 = 100.f;
 // WGMMAs). Step 5 adds the two partials in a fixed order (no atomics: deterministic). Every
 // entry j < i is written for every chunk (zeros where the warp has no wide pair); entries j >= i
 // are never written and step 5 discards them by select.
-__device__ __forceinline__ float* wide_corrections(SharedStorage& smem, int block, int warp_of_half, int which) {
-  return reinterpret_cast<float*>(smem.inverse_operand) + ((block * 2 + warp_of_half) * 2 + which) * 256;
+__device__ __forceinline__ float* wide_corrections(const IntraScratch& ws, int block, int warp_of_half, int which) {
+  return reinterpret_cast<float*>(ws.inverse_operand) + ((block * 2 + warp_of_half) * 2 + which) * 256;
 }
 static_assert(4 * 2 * 2 * 256 * 4 == kTileBytes, "the corrections fill the inverse's operand buffer");
 
@@ -90,9 +112,9 @@ constexpr int kWideStagingOffset = 1024;  // in intra_scratch, past rnorm (float
 static_assert(2 * kWideStagingBytes <= kChunk * kChunk * 2, "staging of warps 0, 1 must fit in the A_qk tile");
 static_assert(kWideStagingOffset >= 128 * 4 && kWideStagingOffset + 2 * kWideStagingBytes <= 8192,
               "staging of warps 2, 3 must fit in the intra scratch past rnorm");
-__device__ __forceinline__ uint32_t wide_staging(SharedStorage& smem, StageStorage& st, int warp) {
+__device__ __forceinline__ uint32_t wide_staging(const IntraScratch& ws, StageStorage& st, int warp) {
   return warp < 2 ? smem_u32(st.aqk + warp * kWideStagingBytes)
-                  : smem_u32(smem.intra_scratch + kWideStagingOffset + (warp - 2) * kWideStagingBytes);
+                  : smem_u32(ws.scratch + kWideStagingOffset + (warp - 2) * kWideStagingBytes);
 }
 __device__ __forceinline__ uint32_t wide_staging_offset(int row, int chunk) {
   return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
@@ -117,13 +139,13 @@ __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
 // Lane: features 2 cp, 2 cp + 1 (cp = tid % 64) of the block's 16 rows (G0/G1: half-local
 // cumulative log2 decays, qx/kx: raw bf16 pairs). Writes the warp's partials (wide_corrections).
 template <bool kL2Norm>
-__device__ __forceinline__ void wide_diagonal_terms(SharedStorage& smem, StageStorage& st,
+__device__ __forceinline__ void wide_diagonal_terms(const IntraScratch& ws, StageStorage& st,
                                                     const float (&G0)[kSubBlock], const float (&G1)[kSubBlock],
                                                     const uint32_t (&qx)[kSubBlock], const uint32_t (&kx)[kSubBlock],
                                                     bool w0, bool w1, const float* rnorm, int block, int tid) {
   const int lane = tid & 31, warp = tid >> 5, g4 = lane >> 2, t4 = lane & 3;
-  float* corr_qk = wide_corrections(smem, block, warp & 1, 0);
-  float* corr_kk = wide_corrections(smem, block, warp & 1, 1);
+  float* corr_qk = wide_corrections(ws, block, warp & 1, 0);
+  float* corr_kk = wide_corrections(ws, block, warp & 1, 1);
   static_assert(kSubBlock == 16, "the exact pass splits 16-row blocks");
   if (!__any_sync(0xffffffffu, w0 || w1)) {  // no wide pair in the warp: its partials are 0
     float4* z = reinterpret_cast<float4*>(corr_qk);  // corr_kk follows corr_qk (512 floats)
@@ -138,7 +160,7 @@ __device__ __forceinline__ void wide_diagonal_terms(SharedStorage& smem, StageSt
     d0[t] = fast_exp2(G0[t] - G0[t - 1]);
     d1[t] = fast_exp2(G1[t] - G1[t - 1]);
   }
-  const uint32_t stg = wide_staging(smem, st, warp);
+  const uint32_t stg = wide_staging(ws, st, warp);
   const uint32_t st_lane = uint32_t((lane & 3) << 2);  // the lane's 4 bytes in its 16-byte chunk
   const int lm_row = lane & 7, lm_sel = lane >> 3;     // ldmatrix: row within a matrix, matrix
   // The four levels unrolled: with the level known at compile time the row bookkeeping below
@@ -221,7 +243,7 @@ __device__ __forceinline__ void wide_diagonal_terms(SharedStorage& smem, StageSt
 // factors <= 1), get their diagonal-block terms exactly (wide_corrections), and record their
 // reference in a_ref (r_{b-1} instead of r_b) for the A products and step 6.
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe>
-__device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, SharedStorage& smem,
+__device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p, const IntraScratch& ws,
                                                        StageStorage& st, float* rnorm, float* row_stats,
                                                        float (*a_ref)[kHeadDim], int rows, float gate_scale,
                                                        float2 gate_bias, int tid) {
@@ -239,7 +261,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       *reinterpret_cast<uint4*>(st.k + off) = make_uint4(0u, 0u, 0u, 0u);
       *reinterpret_cast<uint4*>(st.g + off) = make_uint4(g_fill, g_fill, g_fill, g_fill);
     }
-    named_barrier_sync(NamedBarrierId::kIntra, 128);
+    named_barrier_sync(ws.bar, 128);
   }
   // Row statistics: thread (half, r) reads features [64 half, 64 half + 64) of row r of q and of k
   // and sums q.q, k.k and q.k over them; the halves are added through shared memory. (v stays as
@@ -272,7 +294,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     row_stats[(0 * 2 + half) * kChunk + r] = qq;
     row_stats[(1 * 2 + half) * kChunk + r] = kk;
     row_stats[(2 * 2 + half) * kChunk + r] = qk;
-    named_barrier_sync(NamedBarrierId::kIntra, 128);
+    named_barrier_sync(ws.bar, 128);
     if (tid < kChunk) {
       float rq = 1.f, rk = 1.f;
       if constexpr (kL2Norm) {
@@ -288,7 +310,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       // one-token sequence that term is the whole output.
       st.aqk_diag[r] = r < rows ? (row_stats[4 * kChunk + r] + row_stats[5 * kChunk + r]) * rq * rk : 0.f;
     }
-    named_barrier_sync(NamedBarrierId::kIntra, 128);
+    named_barrier_sync(ws.bar, 128);
   }
 
   const int h = tid >> 6, cp = tid & 63, col = 2 * cp;
@@ -395,7 +417,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       st_bf16x2(st.g, off, kv.x * f0, kv.y * f1);
     }
     if constexpr (kGeneral) {
-      wide_diagonal_terms<kL2Norm>(smem, st, G0, G1, qx, kx, wide0, wide1, rnorm, 2 * h + bb, tid);
+      wide_diagonal_terms<kL2Norm>(ws, st, G0, G1, qx, kx, wide0, wide1, rnorm, 2 * h + bb, tid);
     }
   }
   // Block-end cumulative decays: the second half adds the first half's total (r_1). General
@@ -412,7 +434,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       }
     }
   }
-  named_barrier_sync(NamedBarrierId::kIntra, 128);
+  named_barrier_sync(ws.bar, 128);
   if (h == 1) {
     const float2 off = *reinterpret_cast<const float2*>(&st.r_block[1][col]);
 #pragma unroll
@@ -428,7 +450,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     }
   }
   fence_smem_to_async_proxy();
-  named_barrier_sync(NamedBarrierId::kIntra, 128);
+  named_barrier_sync(ws.bar, 128);
 }
 
 // Step 4: A_qk and A_kk accumulators, [bj][8] each (m64n16 fragments).
@@ -546,20 +568,20 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 // either way), so that the owner's state update is one batch of products instead of four Horner
 // steps (state_math.cuh).
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false>
-__device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedStorage& smem, StageStorage& st, int rows,
+__device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer) {
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
-  float* rnorm = reinterpret_cast<float*>(smem.intra_scratch + kRnormOffset);
-  float* row_stats = reinterpret_cast<float*>(smem.intra_scratch + kRowStatsOffset);
-  float* diag = reinterpret_cast<float*>(smem.intra_scratch + kDiagOffset);
+  float* rnorm = reinterpret_cast<float*>(ws.scratch + kRnormOffset);
+  float* row_stats = reinterpret_cast<float*>(ws.scratch + kRowStatsOffset);
+  float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
     constexpr bool kGeneral = kDecays != Decays::kSafe;
-    intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, smem, st, rnorm, row_stats, smem.a_ref, rows,
+    intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rnorm, row_stats, ws.a_ref, rows,
                                                              gate_scale, gate_bias, tid);
     timer.mark(1);
 
     float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
-    intra_attention_matrices<kGeneral>(st, smem.a_ref, warp, lane, aqk, akk);
+    intra_attention_matrices<kGeneral>(st, ws.a_ref, warp, lane, aqk, akk);
     timer.mark(2);
 
     // Step 5: masks and beta. A_qk -> stage (bf16, strictly lower: its diagonal is st.aqk_diag);
@@ -579,8 +601,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int at = (g4 + 8 * h2) * kSubBlock + 8 * n8 + 2 * t4 + e;
-            corr_qk[n8][h2][e] = wide_corrections(smem, warp, 0, 0)[at] + wide_corrections(smem, warp, 1, 0)[at];
-            corr_kk[n8][h2][e] = wide_corrections(smem, warp, 0, 1)[at] + wide_corrections(smem, warp, 1, 1)[at];
+            corr_qk[n8][h2][e] = wide_corrections(ws, warp, 0, 0)[at] + wide_corrections(ws, warp, 1, 0)[at];
+            corr_kk[n8][h2][e] = wide_corrections(ws, warp, 0, 1)[at] + wide_corrections(ws, warp, 1, 1)[at];
           }
     }
 #pragma unroll
@@ -620,7 +642,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
     }
     timer.mark(3);
 
-    named_barrier_sync(NamedBarrierId::kIntra, 128);  // every warp done reading QE/KE (step 4)
+    named_barrier_sync(ws.bar, 128);  // every warp done reading QE/KE (step 4)
     // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b); thread owns 2 features x 32 rows.
     // For W, beta goes into the right-hand operand KG row by row (rounded per element) rather than
     // into the columns of M, whose unit diagonal would then carry one bf16 rounding of beta_j into
@@ -632,7 +654,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
       for (int bb = 0; bb < 2; ++bb) {
         const int b = 2 * h + bb, row0 = kSubBlock * b;
         // exp2 of the block's reference: r_b, or r_{b-1} for a wide feature (general gates).
-        const float2 rb = *reinterpret_cast<const float2*>(kGeneral ? &smem.a_ref[b][2 * cp] : &st.r_block[b][2 * cp]);
+        const float2 rb = *reinterpret_cast<const float2*>(kGeneral ? &ws.a_ref[b][2 * cp] : &st.r_block[b][2 * cp]);
         const float s0 = fast_exp2(rb.x), s1 = fast_exp2(rb.y);
         uint32_t qx[kSubBlock], kx[kSubBlock];
         float betas[kSubBlock];  // loaded before the stores (see intra_prepare_operands)
@@ -674,7 +696,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
     // Step 7: M = (I + A)^-1 (unit_lower_inverse.cuh), all products on the tensor cores. Its first
     // proxy fence and barrier also publish QG/KG to the W/U products below.
     float m[32];
-    invert_unit_lower(a_off, diag, smem.inverse_operand, tid, m, timer);
+    invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
     timer.mark(5);
 
     // Step 8: W = M KG -> k slot, U = ((M - I) diag(beta)) v + beta v -> v slot. The A operands
@@ -712,7 +734,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, SharedSto
       wgmma_commit();
       wgmma_wait<0>();
       fence_accumulators(acc);
-      named_barrier_sync(NamedBarrierId::kIntra, 128);  // whole warpgroup done reading the slot
+      named_barrier_sync(ws.bar, 128);  // whole warpgroup done reading the slot
       if (with_beta_v) {
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
@@ -748,20 +770,28 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
 
 // kChunkSlots: a helper of the cooperative mode (chunk_workspace.cuh): the producer announces each
 // chunk's row count and value head in its stage (rows -1: none left) instead of the warpgroup
-// walking tiles, and the storer takes the finished stage.
+// walking tiles, and the storer takes the finished stage. A helper may run two intra warpgroups
+// (kp.coop.helper_intra == 2; `which` 0 and 1), each on every other stage of the ring: the work
+// of one is a latency-bound chain on one warp per scheduler, and a second chain beside it fills
+// the issue slots the first leaves idle. The fused kernel runs one (which = 0).
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, Decays kDecays = Decays::kSafe>
-__device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem) {
+__device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem, int which = 0) {
   const KdaPrefillParams& p = kp.problem;
-  const int tid = threadIdx.x - first_thread(WarpgroupRole::kIntra);
+  // The thread's index in its warpgroup (1 or, for a helper's second intra warpgroup, 2), the same
+  // expression for both: see the kernel's helper branch (C7518).
+  const int tid = threadIdx.x % kWarpgroupThreads;
+  const IntraScratch ws = intra_scratch_of(smem, which);
   PipelineState pipe;
   PhaseTimer timer;
   timer.start();
 
   if constexpr (kChunkSlots) {
+    const int step = kp.coop.helper_intra;  // ring steps between this warpgroup's stages
+    for (int s = 0; s < which; ++s) pipe.advance();
     float gate_scale;
     float2 gate_bias;
     int gate_head = -1;
-    for (;; pipe.advance()) {
+    for (;;) {
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
       const int rows = warp_uniform(st.rows);
@@ -772,12 +802,13 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           gate_head = v_head;
         }
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kDecays, true>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kDecays, true>(p, ws, st, rows, gate_scale, gate_bias, tid, timer);
         fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
       }
       cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer (also the end mark)
       if (rows < 0) break;
       timer.mark(6);
+      for (int s = 0; s < step; ++s) pipe.advance();
     }
   } else {
     TileCursor cursor;
@@ -790,7 +821,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         const int rows = tile.chunk_rows(c);
         cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kDecays>(p, smem, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rows, gate_scale, gate_bias, tid, timer);
         // Step 9: hand the stage to the state warpgroups.
         fence_smem_to_async_proxy();
         cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);

@@ -131,6 +131,19 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   plan.cooperative = true;
   plan.coop.slots_per_head = slots;
   plan.coop.tiles = int(num_tiles);
+  // Helpers in a kernel of their own with two intra-chunk warpgroups per CTA (kernel_params.cuh),
+  // each a latency-bound chain on one warp per scheduler: together they fill issue slots one
+  // leaves idle. The owners' kernel starts while the helpers' runs (programmatic dependent
+  // launch). Read per call: CULA_KDA_HELPER_KERNEL=0 runs the one-kernel form (one intra-chunk
+  // warpgroup per helper), CULA_KDA_HELPER_INTRA=1 keeps one in the helpers' kernel,
+  // CULA_KDA_OVERLAP_OWNERS=0 launches the owners' kernel after the helpers' ends.
+  const auto env_is = [](const char* name, const char* value) {
+    const char* env = std::getenv(name);
+    return env != nullptr && std::strcmp(env, value) == 0;
+  };
+  plan.coop.helper_kernel = !env_is("CULA_KDA_HELPER_KERNEL", "0");
+  plan.coop.helper_intra = plan.coop.helper_kernel && !env_is("CULA_KDA_HELPER_INTRA", "1") ? 2 : 1;
+  plan.coop.overlap_owners = !env_is("CULA_KDA_OVERLAP_OWNERS", "0");
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
   // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a
   // chunk in ~12-13 us and the owner's chain takes ~2.6 us per chunk (docs/perf-notes.md), so a

@@ -37,15 +37,38 @@ static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "regis
 constexpr uint32_t kOwnerStateRegs = 232;
 static_assert(2 * kProducerRegs + 2 * kOwnerStateRegs <= 65536 / 128, "register budget of an owner CTA");
 
+// The kernel of one pass (kernel_params.cuh: KernelPass).
+//   kFused        every role on its tile.
+//   kCooperative  the cooperative mode's owners and, in the one-kernel form, its helpers (one
+//                 intra-chunk warpgroup each). In the two-kernel form (kp.coop.helper_kernel) its
+//                 helper CTAs exit at once and their SMs run:
+//   kCoopHelpers  the helpers' kernel over the same CTA index space, launched first; its
+//                 owner-region CTAs exit at once. Two intra-chunk warpgroups per helper on one
+//                 copy of the intra code: one call site entered by warpgroups 1 and 2, which
+//                 ptxas compiles with asynchronous WGMMAs only where no owner code shares the
+//                 kernel (C7518 in docs/perf-notes.md). (An owners-only kernel, with the intra
+//                 code removed, gets C7518 itself, so the owners stay in the kCooperative kernel.)
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
   static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the cooperative mode uses index order for its owners");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kCoop = kPass == KernelPass::kCooperative;
-  // Cooperative mode: owner of a tile (or of half of one) or helper (uniform per CTA).
+  constexpr bool kHelpers = kPass == KernelPass::kCoopHelpers;
+  // Cooperative mode: owner of a tile (or of half of one) or helper (uniform per CTA). A CTA
+  // whose role the other kernel runs exits here, leaving its SM to that kernel.
   CooperativeRole coop_role;
-  if constexpr (kCoop) coop_role = cooperative_role(kp);
-  const bool helper = kCoop && coop_role.helper;
+  if constexpr (kCoop) {
+    coop_role = cooperative_role(kp);
+    if (coop_role.helper && kp.coop.helper_kernel) return;
+  }
+  if constexpr (kHelpers) {
+    coop_role = cooperative_role(kp);
+    if (!coop_role.helper) return;
+    // The owners' kernel may start now: once every helper CTA runs (or has exited), the owners'
+    // waits on published chunks always end (chunk_workspace.cuh: progress).
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+  const bool helper = kHelpers || (kCoop && coop_role.helper);
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
   // __shared__ array itself: a round trip through an integer would hide from the compiler that the
@@ -83,8 +106,29 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     __syncthreads();
   }
 
-  // Fused: every role on its tile. Cooperative: owners and helpers as above (if constexpr keeps the
-  // fused instantiations free of the cooperative code).
+  if constexpr (kHelpers) {
+    // The helpers' kernel: the producer warp claims chunks; warpgroups 1 and 2 (kp.coop.helper_intra
+    // of them) run the intra-chunk work, each on every other stage of the ring, the second in the
+    // state warpgroups' shared memory (a helper has no state work); one thread of warpgroup 3
+    // stores the finished stages. Both intra warpgroups enter the one call site below with the
+    // same thread-index expression (run_intra_chunk).
+    if (role == WarpgroupRole::kProducer) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      if (threadIdx.x < 32) run_chunk_claim_producer(kp, smem);
+    } else if (role == WarpgroupRole::kState1) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      if (threadIdx.x == first_thread(WarpgroupRole::kState1)) run_workspace_storer(kp, smem);
+    } else {
+      const int which = int(role) - int(WarpgroupRole::kIntra);  // 0 or 1
+      if (which < kp.coop.helper_intra) {
+        cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, which);
+      }
+    }
+    return;
+  }
+  // Fused: every role on its tile. Cooperative: owners and (one-kernel form) helpers as above (if
+  // constexpr keeps the fused instantiations free of the cooperative code).
   if (role == WarpgroupRole::kProducer) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (threadIdx.x < 32) {  // one warp issues the loads
@@ -99,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     if constexpr (kCoop) {
       if (helper) {
         cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem);
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, 0);
       } else {
         cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();  // for the owner's state warpgroups
       }
@@ -108,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, kDecays>(kp, smem);
     }
   } else if (helper) {
-    if constexpr (kCoop) {
+    if constexpr (kCoop) {  // one-kernel form: one thread of warpgroup 2 is the storer
       if (threadIdx.x == first_thread(WarpgroupRole::kState0)) run_workspace_storer(kp, smem);
     }
   } else {  // kState0, kState1: one half of the value columns each
@@ -118,6 +162,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     if constexpr (kCoop) {
       cutlass::arch::warpgroup_reg_alloc<kOwnerStateRegs>();
       run_owner_state_warpgroup(kp, smem, half, coop_role);
+      // Two-kernel form: the launch's end (what the stream's next work waits for) must follow
+      // the helpers' last writes too, so wait for the helpers' kernel to complete (at once by
+      // now: every chunk was published, only the helpers' exits are left). Without a
+      // programmatic dependency this returns at once.
+      asm volatile("griddepcontrol.wait;" ::: "memory");
     } else {
       cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
       run_state_warpgroup<kLongestFirst>(kp, smem, half);

@@ -1,4 +1,4 @@
-// Launch of one kernel instantiation (gate form x l2norm x tile schedule); the host-side setup
+// Launch of one instantiation (gate form x l2norm x tile schedule or cooperative mode); the host-side setup
 // (argument checks, TMA descriptors, the schedule and grid) is in kda_prefill_dispatch.cu.
 #pragma once
 
@@ -12,23 +12,61 @@
 
 namespace cula::kda::sm90 {
 
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays>
-cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream) {
-  auto kernel = kda_prefill_sm90_kernel<kGateInKernel, kL2Norm, kLongestFirst, kPass, kDecays>;
-  // The shared-memory opt-in is per device: remember it per device ordinal (idempotent, so two
-  // threads racing to set it is harmless).
-  static std::atomic<uint64_t> attribute_set_mask{0};
+// The shared-memory opt-in is per device and kernel: remember it per device ordinal (idempotent,
+// so two threads racing to set it is harmless).
+template <typename Kernel>
+cudaError_t opt_in_shared_memory(Kernel kernel, std::atomic<uint64_t>& set_mask) {
   int device = 0;
-  cudaError_t err = cudaSuccess;
-  if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
   const uint64_t bit = uint64_t(1) << (device & 63);
-  if ((attribute_set_mask.load(std::memory_order_relaxed) & bit) == 0) {
+  if ((set_mask.load(std::memory_order_relaxed) & bit) == 0) {
     if ((err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes)) != cudaSuccess)
       return err;
-    attribute_set_mask.fetch_or(bit, std::memory_order_relaxed);
+    set_mask.fetch_or(bit, std::memory_order_relaxed);
   }
-  kernel<<<grid, kThreads, kSharedBytes, stream>>>(kp);
-  return cudaGetLastError();
+  return cudaSuccess;
+}
+
+// Two-kernel form of the cooperative mode: the helpers' kernel, then the owners' (`owners`, the
+// kCooperative kernel) by programmatic dependent launch (kernel_params.cuh: CooperativePlan).
+template <bool kGateInKernel, bool kL2Norm, Decays kDecays, typename Kernel>
+cudaError_t launch_helpers_then_owners(Kernel owners, const KdaKernelParams& kp, int grid, cudaStream_t stream) {
+  auto helpers = kda_prefill_sm90_kernel<kGateInKernel, kL2Norm, false, KernelPass::kCoopHelpers, kDecays>;
+  cudaError_t err = cudaSuccess;
+  static std::atomic<uint64_t> helpers_mask{0};
+  if ((err = opt_in_shared_memory(helpers, helpers_mask)) != cudaSuccess) return err;
+  helpers<<<grid, kThreads, kSharedBytes, stream>>>(kp);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(grid));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSharedBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = kp.coop.overlap_owners ? 1 : 0;
+  return cudaLaunchKernelEx(&config, owners, kp);
+}
+
+// kFused: one kernel. kCooperative: one kernel, or (kp.coop.helper_kernel) the helpers' kernel and
+// then the owners' (kernel_params.cuh: KernelPass), both over `grid` CTAs (one per SM).
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays>
+cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream) {
+  static_assert(kPass == KernelPass::kFused || kPass == KernelPass::kCooperative, "a launch is of a mode");
+  auto kernel = kda_prefill_sm90_kernel<kGateInKernel, kL2Norm, kLongestFirst, kPass, kDecays>;
+  static std::atomic<uint64_t> set_mask{0};
+  cudaError_t err = opt_in_shared_memory(kernel, set_mask);
+  if (err != cudaSuccess) return err;
+  if (kPass == KernelPass::kFused || !kp.coop.helper_kernel) {
+    kernel<<<grid, kThreads, kSharedBytes, stream>>>(kp);
+    return cudaGetLastError();
+  }
+  if constexpr (kPass == KernelPass::kCooperative)
+    return launch_helpers_then_owners<kGateInKernel, kL2Norm, kDecays>(kernel, kp, grid, stream);
+  return cudaErrorInvalidValue;  // not reached: a fused launch returned above
 }
 
 }  // namespace cula::kda::sm90

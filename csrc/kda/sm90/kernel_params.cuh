@@ -33,8 +33,13 @@ struct ScheduleWorkspace {
 //                 read from a workspace; the other CTAs, the helpers, claim chunks of the tiles,
 //                 run the intra-chunk work on them and publish each finished stage there with a
 //                 flag (chunk_workspace.cuh). The chunk-local work of a tile then runs on many
-//                 SMs at once instead of on its owner's one intra-chunk warpgroup.
-enum class KernelPass : int { kFused = 0, kCooperative = 1 };
+//                 SMs at once instead of on its owner's one intra-chunk warpgroup. Two forms
+//                 (CooperativePlan::helper_kernel): one kernel with both roles, or two kernels
+//                 over the same CTA index space (kda_prefill_kernel.cuh): the helpers' first
+//   kCoopHelpers  (it never waits on an owner; two intra-chunk warpgroups per helper), then the
+//                 kCooperative kernel for the owners, by programmatic dependent launch so that it
+//                 starts while the helpers run (CooperativePlan::overlap_owners).
+enum class KernelPass : int { kFused = 0, kCooperative = 1, kCoopHelpers = 2 };
 
 // Cooperative mode. The workspace holds one finished stage (kWorkspaceStageBytes) per chunk slot
 // and value head. Chunk c of sequence n (first token t0) has slot t0 / 64 + n + c within its head:
@@ -77,6 +82,11 @@ struct CooperativePlan {
   bool split_on_device = false;  // value_split == 2: each tile's second CTA is an owner or a helper by the model
   int segments = 1;            // G: segments per tile (1: none; then owners = tiles x value_split)
   int owners = 0;              // CTAs [0, owners) are the owner region (tiles x 4 G with segments)
+  bool helper_kernel = true;   // the helpers in a kernel of their own (KernelPass::kCoopHelpers)
+  int helper_intra = 2;        // intra-chunk warpgroups per helper CTA: 1, or 2 (helper_kernel only; warpgroups 1 and 2, one stage each)
+  // Launch the owners' kernel with programmatic stream serialization, so that it starts once every
+  // helper CTA runs; false: after the helpers' kernel ends (slower, same results).
+  bool overlap_owners = true;
   int* sync = nullptr;         // flags and counters (zeroed per launch)
   float* matrices = nullptr;   // segments: P^T then S_out^T, [tiles x G][128 x 128] fp32 each
 };

@@ -89,8 +89,8 @@ __device__ __forceinline__ void issue_inverse_product(uint32_t b_base, const flo
 //               (strictly lower A_d: zero for i <= j);
 //      tile   = 16 KB, 1024-byte aligned scratch for the B operands.
 // Out: m[32] = M in the m64n64 accumulator layout.
-__device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* diag, uint8_t* tile, int tid,
-                                                  float (&m)[32], PhaseTimer& timer) {
+__device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* diag, uint8_t* tile, NamedBarrierId bar,
+                                                  int tid, float (&m)[32], PhaseTimer& timer) {
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
   const uint32_t tile_base = smem_u32(tile);
@@ -141,7 +141,7 @@ __device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* dia
   }
   fence_smem_to_async_proxy();
   round_to_tf32(a_off);
-  named_barrier_sync(NamedBarrierId::kIntra, 128);
+  named_barrier_sync(bar, 128);
   timer.mark(7);
 
   // N = A_o D.
@@ -156,7 +156,7 @@ __device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* dia
   fence_accumulators(nn);
   timer.mark(8);
   round_to_tf32(nn);
-  named_barrier_sync(NamedBarrierId::kIntra, 128);  // every warp's product has read D
+  named_barrier_sync(bar, 128);  // every warp's product has read D
   store_inverse_operand(tile, nn, warp, lane);
   fence_smem_to_async_proxy();
 
@@ -181,7 +181,7 @@ __device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* dia
   float n2[32];
 #pragma unroll
   for (int r = 0; r < 32; ++r) n2[r] = 0.f;
-  named_barrier_sync(NamedBarrierId::kIntra, 128);
+  named_barrier_sync(bar, 128);
 
   // N^2 = N N and Y = D - D N in one batch (both read the N tile).
   fence_accumulators(n2);
@@ -195,13 +195,13 @@ __device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* dia
   fence_accumulators(y);
   timer.mark(9);
   round_to_tf32(n2);
-  named_barrier_sync(NamedBarrierId::kIntra, 128);
+  named_barrier_sync(bar, 128);
   store_inverse_operand(tile, n2, warp, lane);
   fence_smem_to_async_proxy();
   round_to_tf32(y);
 #pragma unroll
   for (int r = 0; r < 32; ++r) m[r] = y[r];
-  named_barrier_sync(NamedBarrierId::kIntra, 128);
+  named_barrier_sync(bar, 128);
 
   // M = Y + Y N^2.
   fence_accumulators(m);
