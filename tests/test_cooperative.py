@@ -98,6 +98,36 @@ def test_value_split_is_bitwise_one_owner(lengths: list[int], HV: int, seed: int
     assert torch.equal(o1, o3) and torch.equal(s1, s3)
 
 
+#: ``CULA_KDA_TILES_PER_OWNER=k``: each owner CTA runs k tiles one after another (owners =
+#: ceil(tiles / k)), the helpers computing the owners' current tiles first. Cases with more tiles
+#: than the default would give several per owner, an uneven last round (tiles not a multiple of k),
+#: varlen with short and empty sequences, GVA, initial states and both layouts.
+TILES_PER_OWNER_CASES = [
+    pytest.param(Spec(B=1, T=2048, H=64, HV=64, h0=True, layout="kv"), id="B1_T2048_H64"),
+    pytest.param(Spec(B=3, T=700, H=6, HV=18, h0=True, layout="vk", gate="given", l2norm=False), id="B3_T700_HV18_gva"),
+    pytest.param(varlen("mix_k", [1500, 1, 0, 64, 65, 900], H=5, HV=5, h0=True, layout="kv"), id="varlen_mix"),
+    pytest.param(varlen("empties_k", [0, 300, 0], H=7, HV=7, h0=True, layout="vk", cu64=True), id="varlen_empties"),
+]
+
+
+@gpu_sm90
+@pytest.mark.parametrize("spec", TILES_PER_OWNER_CASES)
+def test_tiles_per_owner_bitwise_one(spec: Spec, seed: int, monkeypatch):
+    """An owner with several tiles runs each with the same arithmetic on the same published stages
+    as an owner of one: every k gives bitwise the results of k = 1, within the contract of the
+    fp32 recurrence."""
+    inp = make_inputs(spec)
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
+    monkeypatch.setenv("CULA_KDA_VALUE_SPLIT", "1")
+    out = {}
+    for k in ("1", "2", "3", "4"):
+        monkeypatch.setenv("CULA_KDA_TILES_PER_OWNER", k)
+        out[k] = run_sm90(inp)
+    for k in ("2", "3", "4"):
+        assert torch.equal(out["1"][0], out[k][0]) and torch.equal(out["1"][1], out[k][1]), f"{spec.id}: k={k}"
+    compare_to_reference(spec, inp, *out["4"], what=f"{spec.id} cooperative, 4 tiles per owner")
+
+
 #: The cooperative mode's two forms: the helpers in a kernel of their own, launched before the
 #: owners' kernel, with two intra-chunk warpgroups per helper CTA (the default; the second works in
 #: the state warpgroups' shared memory under its own named barrier), or one
@@ -136,7 +166,7 @@ def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, 
     monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
     out = {}
     for form, env in HELPER_FORMS.items():
-        for name in ("CULA_KDA_HELPER_INTRA", "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_HELPER_KERNEL"):
+        for name in ("CULA_KDA_HELPER_INTRA", "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_HELPER_KERNEL", "CULA_KDA_TILES_PER_OWNER"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

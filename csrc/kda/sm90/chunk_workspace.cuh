@@ -27,6 +27,8 @@
 // rows already are in the fused kernel.
 #pragma once
 
+#include <climits>
+
 #include <cute/arch/copy_sm90_tma.hpp>
 
 #include "kernel_params.cuh"
@@ -88,28 +90,41 @@ __device__ __forceinline__ int unclaimed_chunks(const KdaKernelParams& kp, int u
   return max(r.end - r.begin - claimed, 0);
 }
 
+// The round of a unit: with several tiles per owner (CooperativePlan::tiles_per_owner), tile /
+// owners (the owner's first tile is round 0, ...); else 0.
+__device__ __forceinline__ int unit_round(const KdaKernelParams& kp, int unit) {
+  return kp.coop.tiles_per_owner > 1 ? unit / kp.coop.owners : 0;
+}
+
 // The next unit a helper works on (one warp; every lane returns it), or -1 when no unit has an
 // unclaimed chunk: a unit drawn with probability proportional to its unclaimed chunks, so helpers
 // spread over the tiles as the work left does (one long prompt among short ones gets most of
 // them whenever a helper's tile runs out; moving on to the next tile in index order instead piled
 // the helpers onto one long tile after another while the other long tiles' owners waited). The
 // draw is a golden-ratio sequence over (CTA, pick), so the helpers of one launch take well-spread
-// units; which helper computes a chunk never changes the results.
+// units; which helper computes a chunk never changes the results. Only the units of the lowest
+// round with unclaimed chunks are drawn, so that each owner's current tile is computed first.
 __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int pick) {
   const int lane = threadIdx.x & 31;
   const int units = num_units(kp);
   for (;; ++pick) {
+    int round = INT_MAX;
+    for (int base = 0; base < units; base += 32) {
+      const int u = base + lane;
+      round = min(round, __reduce_min_sync(0xffffffffu, u < units && unclaimed_chunks(kp, u) > 0 ? unit_round(kp, u) : INT_MAX));
+    }
+    if (round == INT_MAX) return -1;
+    auto eligible = [&](int u) { return u < units && unit_round(kp, u) == round ? unclaimed_chunks(kp, u) : 0; };
     int64_t total = 0;
-    for (int base = 0; base < units; base += 32)
-      total += __reduce_add_sync(0xffffffffu, base + lane < units ? unclaimed_chunks(kp, base + lane) : 0);
-    if (total == 0) return -1;
+    for (int base = 0; base < units; base += 32) total += __reduce_add_sync(0xffffffffu, eligible(base + lane));
+    if (total == 0) continue;  // taken since the first pass: draw again
     const uint32_t x = uint32_t(blockIdx.x) * 2654435769u + uint32_t(pick) * 3242174889u;
     const int64_t r = int64_t((uint64_t(x) * uint64_t(total)) >> 32);  // in [0, total)
     // Second pass on fresh counts (they only fall): the unit where the running sum passes r. If
     // claims in between took the chunks past r, draw again.
     int64_t before = 0;
     for (int base = 0; base < units; base += 32) {
-      const int rem = base + lane < units ? unclaimed_chunks(kp, base + lane) : 0;
+      const int rem = eligible(base + lane);
       int incl = rem;  // inclusive warp scan
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
@@ -141,7 +156,7 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
     cute::prefetch_tma_descriptor(&kp.tma_g);
   }
   const int b = int(blockIdx.x);
-  int u = b >= kp.coop.owners ? (b - kp.coop.owners) % num_units(kp)
+  int u = b >= kp.coop.owners ? (b - kp.coop.owners) % (kp.coop.tiles_per_owner > 1 ? kp.coop.owners : num_units(kp))
           : G > 1             ? b / (4 * G) * G + (b % (4 * G)) / 4
                               : b / kp.coop.value_split;
   for (int pick = 0; u >= 0; u = pick_helper_unit(kp, pick++)) {

@@ -113,11 +113,42 @@ int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, 
   return best;
 }
 
+// Tiles per owner CTA (CooperativePlan::tiles_per_owner) by a model of the launch, in us, from the
+// mean chunks per tile C (exact for fixed-length batches): k tiles per owner take k x C x 2.6 us of
+// one-owner chain, and all chunks take 10 us each on SMs - ceil(tiles / k) helpers (two
+// intra-chunk warpgroups per helper; both constants measured on an H100, docs/perf-notes.md). The
+// launch takes the longer of the two. Returns the best k in 1..4 and its time.
+struct OwnerChoice {
+  int tiles_per_owner = 1;
+  double us = 0;      // the model's time with tiles_per_owner
+  double one_us = 0;  // and with one tile per owner
+};
+OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count) {
+  OwnerChoice best;
+  for (int k = 1; k <= 4; ++k) {
+    const int64_t helpers = int64_t(sm_count) - (tiles + k - 1) / k;
+    if (helpers < 1) continue;
+    const double us = std::max(2.6 * double(k * chunks_per_tile), 10.0 * double(all_chunks) / double(helpers));
+    if (k == 1) best.one_us = us;
+    if (k == 1 || us < best.us) {
+      best.tiles_per_owner = k;
+      best.us = us;
+    }
+  }
+  return best;
+}
+
 Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   Plan plan;
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
-  bool coop = num_tiles * 5 <= int64_t(sm_count) * 2 && tokens >= 4 * sm90::kChunk;
+  const int64_t all_chunks = (tokens + sm90::kChunk - 1) / sm90::kChunk * p.num_v_heads;
+  const int64_t chunks_per_tile = (tokens / p.num_seqs + sm90::kChunk - 1) / sm90::kChunk;
+  // Cooperative for few tiles (<= 0.4 x SMs: the helpers outrun the chains), and up to the SM
+  // count where the model above beats the fused kernel's ~12 us per chunk of each tile by 15 %.
+  const OwnerChoice owner_choice = choose_tiles_per_owner(num_tiles, chunks_per_tile, all_chunks, sm_count);
+  const bool coop_by_model = num_tiles < sm_count && owner_choice.us < 0.85 * 12.0 * double(chunks_per_tile);
+  bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
   const char* env = std::getenv("CULA_KDA_COOPERATIVE");
   if (env != nullptr && std::strcmp(env, "0") == 0) coop = false;
   if (env != nullptr && std::strcmp(env, "1") == 0) coop = true;
@@ -159,11 +190,22 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   if (split_env != nullptr && std::strcmp(split_env, "1") == 0) split = 1;
   if (split_env != nullptr && std::strcmp(split_env, "2") == 0) split_on_device = false;
   if (2 * num_tiles >= sm_count) split = 1;
+  // Several tiles per owner where the model finds the helpers the limit (fixed-length batches,
+  // whose tiles the host knows, and 5 % better than one tile per owner); then one owner per tile
+  // and no segments. CULA_KDA_TILES_PER_OWNER=k (read per call) forces k (1..4).
+  int tiles_per_owner = 1;
+  if (p.cu_seqlens == nullptr && owner_choice.tiles_per_owner > 1 &&
+      owner_choice.us < 0.95 * owner_choice.one_us)
+    tiles_per_owner = owner_choice.tiles_per_owner;
+  if (const char* tpo_env = std::getenv("CULA_KDA_TILES_PER_OWNER")) {
+    const int forced = std::atoi(tpo_env);
+    if (forced >= 1 && forced <= 4 && (num_tiles + forced - 1) / forced < sm_count) tiles_per_owner = forced;
+  }
+  if (tiles_per_owner > 1) split = 1;
   plan.coop.split_on_device = split == 2 && split_on_device;
   plan.coop.value_split = split;
-  plan.coop.owners = int(num_tiles) * split;
-  const int64_t all_chunks = (tokens + sm90::kChunk - 1) / sm90::kChunk * p.num_v_heads;
-  const int64_t chunks_per_tile = (tokens / p.num_seqs + sm90::kChunk - 1) / sm90::kChunk;
+  plan.coop.tiles_per_owner = tiles_per_owner;
+  plan.coop.owners = tiles_per_owner > 1 ? int((num_tiles + tiles_per_owner - 1) / tiles_per_owner) : int(num_tiles) * split;
   const int segments = split == 2 ? choose_segments(num_tiles, chunks_per_tile, all_chunks, sm_count) : 1;
   if (segments > 1) {
     plan.coop.segments = segments;

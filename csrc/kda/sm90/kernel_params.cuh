@@ -82,6 +82,12 @@ struct CooperativePlan {
   bool split_on_device = false;  // value_split == 2: each tile's second CTA is an owner or a helper by the model
   int segments = 1;            // G: segments per tile (1: none; then owners = tiles x value_split)
   int owners = 0;              // CTAs [0, owners) are the owner region (tiles x 4 G with segments)
+  // Tiles per owner CTA (value_split == 1 and segments == 1 only): owner b runs tiles b, b + owners,
+  // b + 2 owners, ... one after another, where the helpers, not the owners' chains, bound the
+  // launch (many tiles): fewer owners leave more SMs to the helpers. The helpers then take the
+  // tiles of the first round (tile < owners) before those of the next (pick_helper_unit), so each
+  // owner's current tile is the one being computed.
+  int tiles_per_owner = 1;
   bool helper_kernel = true;   // the helpers in a kernel of their own (KernelPass::kCoopHelpers)
   int helper_intra = 2;        // intra-chunk warpgroups per helper CTA: 1, or 2 (helper_kernel only; warpgroups 1 and 2, one stage each)
   // Launch the owners' kernel with programmatic stream serialization, so that it starts once every

@@ -313,7 +313,7 @@ __device__ __forceinline__ void run_owner_state_warpgroup(const KdaKernelParams&
   TileCursor cursor;
   for (WorkTile tile; next_tile</*kLongestFirst=*/false, /*kIsProducer=*/false, /*kOwner=*/true>(kp, smem, cursor, tile);) {
     const ChunkRange range = segment_chunks(G, tile.num_chunks(), role.segment);
-    const int unit = role.tile * G + role.segment;
+    const int unit = (tile.seq * p.num_v_heads + tile.v_head) * G + role.segment;
     float St[64];
     auto chain = [&](bool with_u, bool with_out) {
       for (int c = range.begin; c < range.end; ++c, pipe.advance())
@@ -359,7 +359,8 @@ __device__ __forceinline__ void run_owner_state_warpgroup(const KdaKernelParams&
     }
     if (role.segment == G - 1) store_final_state_transposed(p, state_slot(p, tile), St, half, warp, lane);
   }
-  if (!role.p_chain && role.segment == 0) zero_uncovered_rows(p, role.tile, tid + 128 * half, kp.coop.tiles);
+  if (!role.p_chain && role.segment == 0)  // over the owners' first tiles: tiles, or the owner CTAs
+    zero_uncovered_rows(p, role.tile, tid + 128 * half, kp.coop.tiles_per_owner > 1 ? kp.coop.owners : kp.coop.tiles);
   timer.report(half ? "owner1: wait P+decay vnew O+S store" : "owner0: wait P+decay vnew O+S store", tid);
 }
 

@@ -224,7 +224,9 @@ __device__ __forceinline__ bool next_tile(const KdaKernelParams& kp, SharedStora
     const int first = !kOwner ? int(blockIdx.x)
                       : kp.coop.segments > 1 ? int(blockIdx.x) / (4 * kp.coop.segments)
                                              : int(blockIdx.x) / kp.coop.value_split;
-    const int r = first + cursor.k++ * int(gridDim.x);
+    // Owners: one tile each, or (tiles_per_owner > 1) every owners-th tile from their first.
+    const int stride = !kOwner ? int(gridDim.x) : kp.coop.tiles_per_owner > 1 ? kp.coop.owners : num_tiles;
+    const int r = first + cursor.k++ * stride;
     if (r >= num_tiles) return false;
     const int seq = r / p.num_v_heads;
     static_cast<TileInfo&>(tile) = make_tile(p, seq, r - seq * p.num_v_heads);
