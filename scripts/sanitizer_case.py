@@ -180,9 +180,11 @@ def main() -> int:
         print(f"sanitizer_case: CULA_KDA_COOPERATIVE=1 CULA_KDA_VALUE_SPLIT={split or '(unset)'}", flush=True)
         results += [run_one(*cfg) for cfg in CONFIGS[:2]]
         results.append(run_bad_cu_seqlens())
-    # The other forms of the mode (the default: a helpers' kernel with two intra-chunk warpgroups
-    # per CTA, then the owners' kernel started while it runs).
-    for name, value in (("CULA_KDA_HELPER_INTRA", "1"), ("CULA_KDA_OVERLAP_OWNERS", "0"), ("CULA_KDA_HELPER_KERNEL", "0")):
+    # The forms of the mode: a helpers' kernel with two intra-chunk warpgroups per CTA, then the
+    # owners' kernel started while it runs (HELPER_KERNEL=1), with one intra warpgroup, with the
+    # owners after the helpers, and one kernel with both roles (the host's default picks one).
+    for name, value in (("CULA_KDA_HELPER_KERNEL", "1"), ("CULA_KDA_HELPER_INTRA", "1"), ("CULA_KDA_OVERLAP_OWNERS", "0"),
+                        ("CULA_KDA_HELPER_KERNEL", "0")):
         os.environ[name] = value
         print(f"sanitizer_case: CULA_KDA_COOPERATIVE=1 {name}={value}", flush=True)
         results += [run_one(*cfg) for cfg in CONFIGS[:2]]

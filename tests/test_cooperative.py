@@ -133,11 +133,13 @@ def test_tiles_per_owner_bitwise_one(spec: Spec, seed: int, monkeypatch):
 #: the state warpgroups' shared memory under its own named barrier), or one
 #: (``CULA_KDA_HELPER_INTRA=1``), and with the owners' kernel started while the helpers run (the
 #: default) or after them (``CULA_KDA_OVERLAP_OWNERS=0``); or one kernel with both roles
-#: (``CULA_KDA_HELPER_KERNEL=0``).
+#: (``CULA_KDA_HELPER_KERNEL=0``). Unset, the host picks the form (one kernel where the owners'
+#: chains bound the launch).
 HELPER_FORMS = {
-    "two_kernels": {},
-    "one_intra_warpgroup": {"CULA_KDA_HELPER_INTRA": "1"},
-    "owners_after_helpers": {"CULA_KDA_OVERLAP_OWNERS": "0"},
+    "two_kernels": {"CULA_KDA_HELPER_KERNEL": "1"},
+    "default": {},
+    "one_intra_warpgroup": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_INTRA": "1"},
+    "owners_after_helpers": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_OVERLAP_OWNERS": "0"},
     "one_kernel": {"CULA_KDA_HELPER_KERNEL": "0"},
 }
 HELPER_FORM_CASES = [

@@ -172,8 +172,15 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
     const char* env = std::getenv(name);
     return env != nullptr && std::strcmp(env, value) == 0;
   };
-  plan.coop.helper_kernel = !env_is("CULA_KDA_HELPER_KERNEL", "0");
-  plan.coop.helper_intra = plan.coop.helper_kernel && !env_is("CULA_KDA_HELPER_INTRA", "1") ? 2 : 1;
+  // The two-kernel form pays where the helpers bound the launch; where the owners' chains do (few
+  // long tiles, e.g. B1 T32768 H8: ~512 x 1.4 us of chain against ~4096 x 12 us over 116
+  // helpers), the one-kernel form measured 2-3 % faster (docs/perf-notes.md), so it runs there:
+  // chain C x 1.4 us > all chunks x 12 us / (SMs - 2 tiles), without segments (set below).
+  const bool chain_bound = 1.4 * double(chunks_per_tile) > 12.0 * double(all_chunks) / double(std::max<int64_t>(sm_count - 2 * num_tiles, 1));
+  plan.coop.helper_kernel = !chain_bound;
+  if (env_is("CULA_KDA_HELPER_KERNEL", "0")) plan.coop.helper_kernel = false;
+  if (env_is("CULA_KDA_HELPER_KERNEL", "1")) plan.coop.helper_kernel = true;
+
   plan.coop.overlap_owners = !env_is("CULA_KDA_OVERLAP_OWNERS", "0");
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
   // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a
@@ -208,10 +215,14 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   plan.coop.owners = tiles_per_owner > 1 ? int((num_tiles + tiles_per_owner - 1) / tiles_per_owner) : int(num_tiles) * split;
   const int segments = split == 2 ? choose_segments(num_tiles, chunks_per_tile, all_chunks, sm_count) : 1;
   if (segments > 1) {
+    // Segments leave fewer helpers (the owner region is 4 G CTAs per tile): the two-kernel form,
+    // unless forced (B1 T65536 H4, 4 segments: 0.925 vs 0.981 ms one-kernel).
+    if (!env_is("CULA_KDA_HELPER_KERNEL", "0")) plan.coop.helper_kernel = true;
     plan.coop.segments = segments;
     plan.coop.split_on_device = false;
     plan.coop.owners = int(num_tiles) * 4 * segments;
   }
+  plan.coop.helper_intra = plan.coop.helper_kernel && !env_is("CULA_KDA_HELPER_INTRA", "1") ? 2 : 1;
   const size_t units = size_t(num_tiles) * size_t(segments);
   plan.stage_bytes = size_t(slots) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
   // published flags, then per unit: claim counter, P count, two S_out flags
