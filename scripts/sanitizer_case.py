@@ -183,12 +183,13 @@ def main() -> int:
     # The forms of the mode: a helpers' kernel with two intra-chunk warpgroups per CTA, then the
     # owners' kernel started while it runs (HELPER_KERNEL=1), with one intra warpgroup, with the
     # owners after the helpers, and one kernel with both roles (the host's default picks one).
-    for name, value in (("CULA_KDA_HELPER_KERNEL", "1"), ("CULA_KDA_HELPER_INTRA", "1"), ("CULA_KDA_OVERLAP_OWNERS", "0"),
-                        ("CULA_KDA_HELPER_KERNEL", "0")):
-        os.environ[name] = value
-        print(f"sanitizer_case: CULA_KDA_COOPERATIVE=1 {name}={value}", flush=True)
+    for form in ({"CULA_KDA_HELPER_KERNEL": "1"}, {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_INTRA": "1"},
+                 {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_OVERLAP_OWNERS": "0"}, {"CULA_KDA_HELPER_KERNEL": "0"}):
+        os.environ.update(form)
+        print("sanitizer_case: CULA_KDA_COOPERATIVE=1 " + " ".join(f"{k}={v}" for k, v in form.items()), flush=True)
         results += [run_one(*cfg) for cfg in CONFIGS[:2]]
-        del os.environ[name]
+        for name in form:
+            del os.environ[name]
     # Segments (CULA_KDA_SEGMENTS=4: the chains of 4 segments per tile at once, fp32 fix-ups
     # through the workspace): 2 sequences x 4 heads, so the owner region (16 CTAs per tile) fits.
     os.environ["CULA_KDA_SEGMENTS"] = "4"
