@@ -2,7 +2,7 @@
 
 * the suites: well-formed rows, the issue targets present, varlen lengths;
 * inputs (beta drawn once as logits), floors, SM·µs per chunk-head, the error slice;
-* the baselines: availability reasons here, what FlashKDA covers, cula's schedule rule, and the
+* the baselines: availability reasons here, what FlashKDA covers, cula's launch names, and the
   FlashKDA glue (logits, dt_bias view, [V, K] states) against a stand-in ``flash_kda`` module
   that follows FlashKDA's documented contract using cula's reference;
 * the GPU runner's row bookkeeping (timings, speedups, n/a reasons, errors, verdict) on the CPU,
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from kda_bench import report, runner  # noqa: E402
 from kda_bench.baselines import Baseline, all_baselines  # noqa: E402
-from kda_bench.baselines.cula import cula_schedule, cula_segments  # noqa: E402
+from kda_bench.baselines.cula import cula_schedule  # noqa: E402
 from kda_bench.baselines.flashkda import FlashKdaBaseline  # noqa: E402
 from kda_bench.cli import parse_args  # noqa: E402
 from kda_bench.floors import chunked_flops, sm_us_per_chunk_head  # noqa: E402
@@ -185,60 +185,20 @@ def test_flashkda_coverage():
     assert not FlashKdaBaseline(Options(gate_in_kernel=False)).supports(Config("fixed", 1, 64, 4, 4))[0]
 
 
-def test_cula_schedule_rule():
-    v100 = build_suite("targets")[6]                      # 100 x 128 tokens, 6400 tiles
-    assert cula_schedule(v100, 132, forced="") == "longest-first"
-    assert cula_schedule(v100, 132, forced="index") == "index"
-    b8 = Config("fixed", 8, 1024, 64, 64)               # 512 tiles, long sequences
-    assert cula_schedule(b8, 132, forced="") == "index"
-    assert cula_schedule(b8, 132, forced="longest_first") == "longest-first"
-    assert cula_schedule(Config("fixed", 2, 64, 64, 64), 132, forced="longest_first") == "index"
-
-
-def test_cula_cooperative_rule():
-    """Few tiles (at most 0.4 x the SMs) with at least four chunks of tokens: cooperative, with
-    the value split decided per tile by the kernel while two CTAs per tile leave a helper;
-    CULA_KDA_VALUE_SPLIT=1 / 2 force one / two owners per tile."""
-    on_device = "cooperative-split-on-device"
-    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="") == on_device
-    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="",
-                         value_split="1") == "cooperative"
-    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="",
-                         value_split="2") == "cooperative-split"
-    assert cula_schedule(Config("fixed", 1, 8192, 16, 16), 132, forced="", cooperative="") == on_device
-    assert cula_schedule(Config("fixed", 1, 8192, 52, 52), 132, forced="", cooperative="") == on_device
-    assert cula_schedule(Config("fixed", 1, 8192, 52, 52), 132, forced="", cooperative="",
-                         value_split="2") == "cooperative-split"
-    assert cula_schedule(Config("fixed", 1, 8192, 66, 66), 132, forced="", cooperative="1",
-                         value_split="2") == "cooperative"  # two owners per tile would leave no helper
-    assert cula_schedule(Config("fixed", 1, 8192, 53, 53), 132, forced="", cooperative="") == "index"
-    assert cula_schedule(Config("fixed", 1, 8192, 64, 64), 132, forced="", cooperative="") == "index"
-    assert cula_schedule(Config("fixed", 1, 255, 4, 4), 132, forced="", cooperative="") == "index"
-    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, forced="", cooperative="0") == "index"
-    assert cula_schedule(Config("fixed", 1, 8192, 64, 64), 132, forced="", cooperative="1") == on_device
-    assert cula_schedule(Config("fixed", 2, 8192, 66, 66), 132, forced="", cooperative="1") == "index"
-    # the workspace (one 73.5 KiB stage per chunk and head) past 4 GiB: fused
-    assert cula_schedule(Config("small", 1, 2 ** 20, 8, 8), 132, forced="", cooperative="") == "index"
-    assert cula_schedule(Config("small", 1, 2 ** 18, 8, 8), 132, forced="", cooperative="") == on_device
-
-
-def test_cula_segments_rule():
-    """Very few tiles: the chains of G segments per tile at once where the model says it pays
-    (B1 T65536 H4: 4, B1 T131072 H2: 6; B1 T32768 H8: none), CULA_KDA_SEGMENTS forcing G while
-    the owner region (4 G CTAs per tile) fits."""
-    kw = dict(forced="", cooperative="", value_split="", segments_env="")
-    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, **kw) == "cooperative-split-on-device"
-    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132, **kw) == "cooperative-4-segments"
-    assert cula_schedule(Config("small", 1, 131072, 2, 2), 132, **kw) == "cooperative-6-segments"
-    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132, **{**kw, "segments_env": "1"}) == \
-        "cooperative-split-on-device"
-    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, **{**kw, "segments_env": "3"}) == \
-        "cooperative-3-segments"
-    # 8 tiles x 4 x 5 CTAs would not fit on 132 SMs: the variable is ignored
-    assert cula_schedule(Config("small", 1, 32768, 8, 8), 132, **{**kw, "segments_env": "5"}) == \
-        "cooperative-split-on-device"
-    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132, **{**kw, "value_split": "1"}) == "cooperative"
-    assert cula_segments(1, 16, 16, 132) == 1  # a short single tile: helpers, not segments
+def test_cula_schedule_names_the_extensions_launch(monkeypatch):
+    """Each row records the launch its cula time belongs to, as the extension names it (the
+    dispatch's own rule: ``tests/test_launch_plan.py``), or None without the extension."""
+    import cula
+    for name in [n for n in os.environ if n.startswith("CULA_KDA_")]:
+        monkeypatch.delenv(name)
+    got = cula_schedule(Config("fixed", 8, 1024, 64, 64), 132)
+    if not cula.kernels_available():
+        assert got is None
+        return
+    assert got == "index"
+    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132) == "cooperative-two-kernels-4-segments"
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE", "0")
+    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132) == "index"
 
 
 def _fake_flash_kda_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,

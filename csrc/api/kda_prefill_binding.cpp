@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -225,6 +226,28 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               cula::kda::kda_prefill_sm90_last_error());
 }
 
+// The launch kda_prefill_sm90 makes for a problem of this shape on a GPU of `sm_count` SMs
+// (kda_prefill_sm90_launch_name): the benchmark records it with each row. Host only.
+std::string kda_prefill_sm90_launch_name(int64_t batch, int64_t seqlen, int64_t num_seqs, int64_t num_qk_heads,
+                                         int64_t num_v_heads, bool varlen, bool general_gates, int64_t sm_count) {
+  TORCH_CHECK(batch >= 1 && seqlen >= 0 && num_seqs >= 1 && num_qk_heads >= 1 && num_v_heads >= 1 && sm_count >= 1,
+              "kda_prefill_sm90_launch_name: batch, num_seqs, heads and sm_count must be >= 1 and seqlen >= 0");
+  TORCH_CHECK(!varlen || batch == 1, "kda_prefill_sm90_launch_name: varlen needs batch == 1");
+  TORCH_CHECK(varlen || num_seqs == batch, "kda_prefill_sm90_launch_name: num_seqs must equal batch without varlen");
+  TORCH_CHECK(batch * seqlen <= INT32_MAX && num_seqs <= INT32_MAX && num_v_heads <= INT32_MAX && sm_count <= INT32_MAX,
+              "kda_prefill_sm90_launch_name: sizes beyond int32");
+  cula::kda::KdaPrefillParams p;
+  static const int64_t kNotRead = 0;  // the rule only asks whether cu_seqlens is given
+  p.cu_seqlens = varlen ? &kNotRead : nullptr;
+  p.batch = int(batch);
+  p.seqlen = int(seqlen);
+  p.num_seqs = int(num_seqs);
+  p.num_qk_heads = int(num_qk_heads);
+  p.num_v_heads = int(num_v_heads);
+  p.general_gates = general_gates;
+  return cula::kda::kda_prefill_sm90_launch_name(p, int(sm_count));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -237,4 +260,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("has_initial_state"), py::arg("o"), py::arg("final_state"), py::arg("state_pool"), py::arg("scale"),
         py::arg("lower_bound"), py::arg("use_gate_in_kernel"), py::arg("use_qk_l2norm_in_kernel"),
         py::arg("use_beta_sigmoid_in_kernel"), py::arg("state_v_first"), py::arg("general_gates") = false);
+  m.def("kda_prefill_sm90_launch_name", &kda_prefill_sm90_launch_name,
+        "The launch kda_prefill_sm90 makes for this shape on a GPU of sm_count SMs: 'index', 'longest-first' or "
+        "'cooperative-...' (the CULA_KDA_* variables apply). Host only. Keyword arguments only.",
+        py::kw_only(), py::arg("batch"), py::arg("seqlen"), py::arg("num_seqs"), py::arg("num_qk_heads"),
+        py::arg("num_v_heads"), py::arg("varlen"), py::arg("general_gates"), py::arg("sm_count"));
 }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "kernel_params.cuh"
@@ -198,10 +199,11 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   if (split_env != nullptr && std::strcmp(split_env, "2") == 0) split_on_device = false;
   if (2 * num_tiles >= sm_count) split = 1;
   // Several tiles per owner where the model finds the helpers the limit (fixed-length batches,
-  // whose tiles the host knows, and 5 % better than one tile per owner); then one owner per tile
-  // and no segments. CULA_KDA_TILES_PER_OWNER=k (read per call) forces k (1..4).
+  // whose tiles the host knows, and 5 % better than one tile per owner; not with
+  // CULA_KDA_VALUE_SPLIT set); then one owner per tile and no segments. CULA_KDA_TILES_PER_OWNER=k
+  // (read per call) forces k (1..4).
   int tiles_per_owner = 1;
-  if (p.cu_seqlens == nullptr && owner_choice.tiles_per_owner > 1 &&
+  if ((split_env == nullptr || split_env[0] == '\0') && p.cu_seqlens == nullptr && owner_choice.tiles_per_owner > 1 &&
       owner_choice.us < 0.95 * owner_choice.one_us)
     tiles_per_owner = owner_choice.tiles_per_owner;
   if (const char* tpo_env = std::getenv("CULA_KDA_TILES_PER_OWNER")) {
@@ -232,6 +234,28 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   return plan;
 }
 
+// Tile schedule of the fused kernel (tile_scheduler.cuh). Longest first on one persistent CTA per
+// SM pays off where tiles are short (sequences of a few chunks: a CTA per tile spends a large
+// share of its time starting up, and a persistent CTA overlaps one tile's start with the last
+// one's end) and where lengths are uneven. With long tiles, index order is as well balanced by
+// the hardware and its instantiation runs ~10% faster per chunk (register allocation;
+// docs/perf-notes.md). So: longest first when there is more than one wave of tiles and the mean
+// sequence is shorter than kLongestFirstMaxMeanTokens tokens, else index order.
+// CULA_KDA_SCHEDULE=index or =longest_first (read per call) forces one, where it applies. General
+// gates: index order only (their instantiations; one more template axis would double the
+// longest-first ones for batches of short sequences).
+bool longest_first_schedule(const KdaPrefillParams& p, int sm_count) {
+  if (p.general_gates) return false;
+  const int64_t tokens = int64_t(p.batch) * p.seqlen;
+  const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
+  const char* schedule = std::getenv("CULA_KDA_SCHEDULE");
+  const bool force_index = schedule != nullptr && std::strcmp(schedule, "index") == 0;
+  const bool force_longest_first = schedule != nullptr && std::strcmp(schedule, "longest_first") == 0;
+  const bool short_sequences = tokens < int64_t(sm90::kLongestFirstMaxMeanTokens) * p.num_seqs;
+  return !force_index && num_tiles > sm_count && num_tiles <= INT_MAX && p.num_seqs <= sm90::kSortMaxSeqs &&
+         (short_sequences || force_longest_first);
+}
+
 cudaError_t device_sm_count(int* sm_count) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -241,6 +265,17 @@ cudaError_t device_sm_count(int* sm_count) {
 }  // namespace
 
 const char* kda_prefill_sm90_last_error() { return g_last_error; }
+
+std::string kda_prefill_sm90_launch_name(const KdaPrefillParams& p, int sm_count) {
+  const Plan plan = plan_call(p, sm_count);
+  if (!plan.cooperative) return longest_first_schedule(p, sm_count) ? "longest-first" : "index";
+  const sm90::CooperativePlan& c = plan.coop;
+  std::string name = c.helper_kernel ? "cooperative-two-kernels" : "cooperative-one-kernel";
+  if (c.segments > 1) return name + "-" + std::to_string(c.segments) + "-segments";
+  if (c.tiles_per_owner > 1) return name + "-" + std::to_string(c.tiles_per_owner) + "-tiles-per-owner";
+  if (c.value_split == 2) return name + (c.split_on_device ? "-split-on-device" : "-split");
+  return name;
+}
 
 size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& p) {
   int sm_count = 0;
@@ -328,20 +363,6 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
                : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream);
   }
 
-  // Tile schedule (tile_scheduler.cuh). Longest first on one persistent CTA per SM pays off where
-  // tiles are short (sequences of a few chunks: a CTA per tile spends a large share of its time
-  // starting up, and a persistent CTA overlaps one tile's start with the last one's end) and where
-  // lengths are uneven. With long tiles, index order is as well balanced by the hardware and its
-  // instantiation runs ~10% faster per chunk (register allocation; docs/perf-notes.md). So:
-  // longest first when there is more than one wave of tiles and the mean sequence is shorter than
-  // kLongestFirstMaxMeanTokens tokens, else index order. CULA_KDA_SCHEDULE=index or
-  // =longest_first (read per call) forces one, where it applies.
-  const char* schedule = std::getenv("CULA_KDA_SCHEDULE");
-  const bool force_index = schedule != nullptr && std::strcmp(schedule, "index") == 0;
-  const bool force_longest_first = schedule != nullptr && std::strcmp(schedule, "longest_first") == 0;
-  const bool short_sequences = tokens < int64_t(sm90::kLongestFirstMaxMeanTokens) * p.num_seqs;
-  // General gates: index order only (their instantiations; one more template axis would double
-  // the longest-first ones for batches of short sequences).
   if (p.general_gates) {
     const int grid = int(std::min<int64_t>(num_tiles, INT_MAX));
     constexpr auto kFusedPass = sm90::KernelPass::kFused;
@@ -355,9 +376,7 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
     return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false, kFusedPass, kGen>(kp, grid, stream)
                            : sm90::launch_kda_prefill_kernel<false, false, false, kFusedPass, kGen>(kp, grid, stream);
   }
-  const bool longest_first = !force_index && num_tiles > sm_count && num_tiles <= INT_MAX &&
-                             p.num_seqs <= sm90::kSortMaxSeqs && (short_sequences || force_longest_first);
-  if (longest_first) {
+  if (longest_first_schedule(p, sm_count)) {
     if ((err = schedule_workspace(device, stream, &kp.schedule)) != cudaSuccess) return err;
     if (p.use_gate_in_kernel)
       return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, true, sm90::KernelPass::kFused>(kp, sm_count, stream)

@@ -8,13 +8,15 @@
 // Hand-offs are mbarriers per stage: full (TMA -> intra), ready (intra -> state), empty (state ->
 // producer). setmaxnreg moves registers from the producer to the math warpgroups.
 //
-// The cooperative mode (few tiles; kernel_params.cuh: KernelPass) launches the same kernel with one
-// CTA per SM: in the tile owners (cooperative_role in tile_scheduler.cuh) warpgroup 0's producer
-// reads finished stages from the workspace (full -> state directly), warpgroups 2 and 3 run as
-// above (with a value split, two owners per tile, each running only its half's warpgroup), and warpgroup 1 exits at
-// once; in the helpers, warpgroup 0's producer claims chunks, warpgroup 1 runs as above, and one
-// thread of warpgroup 2 (the storer) publishes each finished stage to the workspace
-// (chunk_workspace.cuh); the rest of warpgroups 2 and 3 exits at once.
+// The cooperative mode (fewer tiles than SMs; kernel_params.cuh: KernelPass) runs one CTA per SM:
+// in the tile owners (cooperative_role in tile_scheduler.cuh) warpgroup 0's producer reads finished
+// stages from the workspace (full -> state directly), warpgroups 2 and 3 run the recurrence (with
+// a value split, two owners per tile, each running only its half's warpgroup), and warpgroup 1
+// exits at once; in the helpers, warpgroup 0's producer claims chunks, the intra-chunk
+// warpgroup(s) turn them into finished stages, and one thread (the storer) publishes each to the
+// workspace (chunk_workspace.cuh). Owners and helpers are one kernel (kCooperative), or two:
+// the helpers' (kCoopHelpers, two intra-chunk warpgroups per CTA) and the owners' (kCooperative,
+// its helper CTAs exiting at once); see the kernel below.
 #pragma once
 
 #include "chunk_workspace.cuh"

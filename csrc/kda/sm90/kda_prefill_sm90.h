@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "kda_params.h"
 
 namespace cula::kda {
@@ -18,6 +20,14 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream
 // it runs the fused kernel, else the cooperative mode's finished stages and flags (the caller
 // allocates them and sets params.workspace). Same decision as kda_prefill_sm90 (CULA_KDA_COOPERATIVE=0/1 forces it).
 size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& params);
+
+// The launch kda_prefill_sm90 makes for `params` on a GPU of `sm_count` SMs (host only: no CUDA
+// call; the same CULA_KDA_* variables apply): "index" or "longest-first" (the fused kernel's tile
+// schedules), or "cooperative-{one-kernel,two-kernels}" followed by how the tiles are owned:
+// nothing (one owner CTA per tile), "-split" / "-split-on-device" (two per tile / one or two as
+// the kernel's model decides), "-<k>-tiles-per-owner" or "-<G>-segments". Only the pointers'
+// nullness matters (cu_seqlens: varlen); none is read.
+std::string kda_prefill_sm90_launch_name(const KdaPrefillParams& params, int sm_count);
 
 // Human-readable reason of the last cudaErrorInvalidValue returned by kda_prefill_sm90 (or "").
 const char* kda_prefill_sm90_last_error();
