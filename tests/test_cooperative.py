@@ -17,6 +17,11 @@ on half of the value columns) and with the default, where the kernel gives each 
 owners by its model of the sequence lengths (``tile_has_two_owners``: in the varlen mixes the long
 sequences' tiles get two, the short ones' one).
 
+The forms of the mode (helpers in a kernel of their own with one or two intra-chunk warpgroups,
+the owners' kernel beside or after it, or one kernel with both roles) and several tiles per owner
+CTA must give bitwise the same results (``test_helper_forms_bitwise_equal``,
+``test_tiles_per_owner_bitwise_one``).
+
 Cases: sequences shorter than one chunk, lengths on and off chunk edges, one head (131 helpers on
 one tile), varlen mixes of long, short, length-1 and empty sequences with initial states, both
 state layouts, GVA, precomputed gates, bf16 beta, T = 65536 with an initial state; also the

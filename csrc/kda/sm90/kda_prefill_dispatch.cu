@@ -30,6 +30,17 @@ cudaError_t invalid(const char* why) {
   return cudaErrorInvalidValue;
 }
 
+// The launch knobs (CULA_KDA_*, docs/install.md), read per call: whether `name` is set to `value`,
+// and its integer value (0 when unset or empty).
+bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, value) == 0;
+}
+int env_int(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr ? std::atoi(env) : 0;
+}
+
 // The longest-first schedule's workspace (sm90::ScheduleWorkspace, 16 KB) for launches on
 // `stream` of the current device: allocated and zeroed the first time, then kept for the life of
 // the process. Launches on one stream run one after another and each leaves the counters at zero,
@@ -106,11 +117,8 @@ int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, 
       best = g;
     }
   }
-  const char* env = std::getenv("CULA_KDA_SEGMENTS");
-  if (env != nullptr) {
-    const int forced = std::atoi(env);
-    if (forced == 1 || (forced >= 3 && fits(forced))) best = forced;
-  }
+  const int forced = env_int("CULA_KDA_SEGMENTS");
+  if (forced == 1 || (forced >= 3 && fits(forced))) best = forced;
   return best;
 }
 
@@ -150,9 +158,8 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   const OwnerChoice owner_choice = choose_tiles_per_owner(num_tiles, chunks_per_tile, all_chunks, sm_count);
   const bool coop_by_model = num_tiles < sm_count && owner_choice.us < 0.85 * 12.0 * double(chunks_per_tile);
   bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
-  const char* env = std::getenv("CULA_KDA_COOPERATIVE");
-  if (env != nullptr && std::strcmp(env, "0") == 0) coop = false;
-  if (env != nullptr && std::strcmp(env, "1") == 0) coop = true;
+  if (env_is("CULA_KDA_COOPERATIVE", "0")) coop = false;
+  if (env_is("CULA_KDA_COOPERATIVE", "1")) coop = true;
   if (!coop || tokens == 0 || num_tiles >= sm_count) return plan;
   const int64_t slots = (tokens + sm90::kChunk - 1) / sm90::kChunk + p.num_seqs;
   if (slots > INT_MAX) return plan;
@@ -169,10 +176,6 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   // launch). Read per call: CULA_KDA_HELPER_KERNEL=0 runs the one-kernel form (one intra-chunk
   // warpgroup per helper), CULA_KDA_HELPER_INTRA=1 keeps one in the helpers' kernel,
   // CULA_KDA_OVERLAP_OWNERS=0 launches the owners' kernel after the helpers' ends.
-  const auto env_is = [](const char* name, const char* value) {
-    const char* env = std::getenv(name);
-    return env != nullptr && std::strcmp(env, value) == 0;
-  };
   // The two-kernel form pays where the helpers bound the launch; where the owners' chains do (few
   // long tiles, e.g. B1 T32768 H8: ~512 x 1.4 us of chain against ~4096 x 12 us over 116
   // helpers), the one-kernel form measured 2-3 % faster (docs/perf-notes.md), so it runs there:
@@ -194,22 +197,21 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   // tile (2: while two owners per tile leave at least one helper).
   int split = 2;
   bool split_on_device = true;
-  const char* split_env = std::getenv("CULA_KDA_VALUE_SPLIT");
-  if (split_env != nullptr && std::strcmp(split_env, "1") == 0) split = 1;
-  if (split_env != nullptr && std::strcmp(split_env, "2") == 0) split_on_device = false;
+  const bool split_forced = env_is("CULA_KDA_VALUE_SPLIT", "1") || env_is("CULA_KDA_VALUE_SPLIT", "2");
+  if (env_is("CULA_KDA_VALUE_SPLIT", "1")) split = 1;
+  if (env_is("CULA_KDA_VALUE_SPLIT", "2")) split_on_device = false;
   if (2 * num_tiles >= sm_count) split = 1;
   // Several tiles per owner where the model finds the helpers the limit (fixed-length batches,
   // whose tiles the host knows, and 5 % better than one tile per owner; not with
-  // CULA_KDA_VALUE_SPLIT set); then one owner per tile and no segments. CULA_KDA_TILES_PER_OWNER=k
+  // CULA_KDA_VALUE_SPLIT=1 or 2); then one owner per tile and no segments. CULA_KDA_TILES_PER_OWNER=k
   // (read per call) forces k (1..4).
   int tiles_per_owner = 1;
-  if ((split_env == nullptr || split_env[0] == '\0') && p.cu_seqlens == nullptr && owner_choice.tiles_per_owner > 1 &&
+  if (!split_forced && p.cu_seqlens == nullptr && owner_choice.tiles_per_owner > 1 &&
       owner_choice.us < 0.95 * owner_choice.one_us)
     tiles_per_owner = owner_choice.tiles_per_owner;
-  if (const char* tpo_env = std::getenv("CULA_KDA_TILES_PER_OWNER")) {
-    const int forced = std::atoi(tpo_env);
-    if (forced >= 1 && forced <= 4 && (num_tiles + forced - 1) / forced < sm_count) tiles_per_owner = forced;
-  }
+  if (const int forced = env_int("CULA_KDA_TILES_PER_OWNER");
+      forced >= 1 && forced <= 4 && (num_tiles + forced - 1) / forced < sm_count)
+    tiles_per_owner = forced;
   if (tiles_per_owner > 1) split = 1;
   plan.coop.split_on_device = split == 2 && split_on_device;
   plan.coop.value_split = split;
@@ -248,9 +250,8 @@ bool longest_first_schedule(const KdaPrefillParams& p, int sm_count) {
   if (p.general_gates) return false;
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
-  const char* schedule = std::getenv("CULA_KDA_SCHEDULE");
-  const bool force_index = schedule != nullptr && std::strcmp(schedule, "index") == 0;
-  const bool force_longest_first = schedule != nullptr && std::strcmp(schedule, "longest_first") == 0;
+  const bool force_index = env_is("CULA_KDA_SCHEDULE", "index");
+  const bool force_longest_first = env_is("CULA_KDA_SCHEDULE", "longest_first");
   const bool short_sequences = tokens < int64_t(sm90::kLongestFirstMaxMeanTokens) * p.num_seqs;
   return !force_index && num_tiles > sm_count && num_tiles <= INT_MAX && p.num_seqs <= sm90::kSortMaxSeqs &&
          (short_sequences || force_longest_first);
