@@ -139,7 +139,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], statements: list[
                   for nm, _ in names]
             c += [cell(r, nm, "sm_us_per_chunk_head", ".1f") for nm, _ in names]
             c += [fmt_num(r.get("hbm_floor_ms"), ".3f")] + [cell(r, nm, "hbm_ratio", ".2f") for nm, _ in names]
-            c += [fmt_num(r.get("tc_floor_ms"), ".3f"), str(r.get("cula_schedule", "—")),
+            c += [fmt_num(r.get("tc_floor_ms"), ".3f"), str(r.get("cula_schedule") or "—"),
                   str(r.get("check", "—")), str(r.get("status", ""))]
             L.append("| " + " | ".join(c) + " |")
         notes = row_notes(rows, names)
