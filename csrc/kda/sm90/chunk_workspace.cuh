@@ -142,12 +142,48 @@ __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int p
 // region that helps, on its own tile: an exact round robin, so equal tiles start with equal help
 // (a first draw in proportion spreads 100 helpers over 32 equal tiles 2 to 5 per tile, where the
 // round robin gives 3 or 4; measured 2-6 % slower on such rows, docs/perf-notes.md). When its
-// unit has no chunk left it takes the unit pick_helper_unit draws. A chunk is claimed only once a
-// stage is free for it.
+// unit has no chunk left it takes the unit pick_helper_unit draws.
+//
+// Claiming ahead (kp.coop.claim_ahead): the next chunk is claimed, its q, k, v, g boxes fetched
+// into L2 and its beta read into registers while the intra-chunk warpgroups still work, so that
+// once a stage is free only the stage's loads (from L2) stand between the storer's release and the
+// next chunk's start, not also a claim (global atomic), the unit draw and beta's loads (~25 % of
+// an intra warpgroup's time was spent waiting for its stage at B1 T8192 H32, ncu). A claimed
+// chunk still always gets worked on: its CTA's stages free up without waiting on any other CTA.
+// Without it a chunk is claimed only once a stage is free for it.
+struct HelperClaim {
+  int unit = -1;      // -1: no chunk left for this CTA
+  int chunk = 0;      // the claimed chunk of the unit's tile
+  WorkTile tile;      // the unit's tile
+  ChunkRange range;   // the unit's chunks
+  int pick = 0;       // draws so far (pick_helper_unit)
+};
+
+// Claims the next chunk into `h` (every lane of the warp returns the same claim): of the current
+// unit while it has one left, else of the units pick_helper_unit draws. false: none left.
+__device__ __forceinline__ bool claim_next_chunk(const KdaKernelParams& kp, HelperClaim& h, bool new_unit) {
+  const int lane = threadIdx.x & 31;
+  const int G = kp.coop.segments;
+  while (h.unit >= 0) {
+    if (new_unit) {
+      h.tile = unit_tile(kp, h.unit);
+      h.range = segment_chunks(G, h.tile.num_chunks(), h.unit % G);
+    }
+    int c = 0;
+    if (lane == 0) c = h.range.begin + atomicAdd(claim_counter(kp, h.unit), 1);
+    h.chunk = __shfl_sync(0xffffffffu, c, 0);
+    if (h.chunk < h.range.end) return true;
+    h.unit = pick_helper_unit(kp, h.pick++);
+    new_unit = true;
+  }
+  return false;
+}
+
 __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
   const int G = kp.coop.segments;
+  const bool ahead = kp.coop.claim_ahead;
   PipelineState pipe;
   if (lane == 0) {  // the mode runs only with tokens, so the descriptors exist
     cute::prefetch_tma_descriptor(&kp.tma_q);
@@ -156,32 +192,32 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
     cute::prefetch_tma_descriptor(&kp.tma_g);
   }
   const int b = int(blockIdx.x);
-  int u = b >= kp.coop.owners ? (b - kp.coop.owners) % (kp.coop.tiles_per_owner > 1 ? kp.coop.owners : num_units(kp))
-          : G > 1             ? b / (4 * G) * G + (b % (4 * G)) / 4
-                              : b / kp.coop.value_split;
-  for (int pick = 0; u >= 0; u = pick_helper_unit(kp, pick++)) {
-    const WorkTile tile = unit_tile(kp, u);
-    const int64_t first = first_chunk_slot(tile);
-    const ChunkRange range = segment_chunks(G, tile.num_chunks(), u % G);
-    for (;; pipe.advance()) {
-      StageStorage& st = smem.stage[pipe.stage];
-      cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
-      int c = 0;
-      if (lane == 0) c = range.begin + atomicAdd(claim_counter(kp, u), 1);
-      c = __shfl_sync(0xffffffffu, c, 0);
-      if (c >= range.end) break;  // this stage stays free (its phase is done) for the next unit's chunk
-      const int rows = tile.chunk_rows(c);
-      const int64_t token = tile.token0 + int64_t(c) * kChunk;
-      load_beta(p, st, tile.v_head, token, rows, lane);
-      if (lane == 0) {
-        st.rows = rows;
-        st.ws_slot = int(first + c);
-        st.ws_head = tile.v_head;
-      }
-      // The storer's bulk copy (async proxy) reads beta: order these generic stores before it.
-      fence_smem_to_async_proxy();
-      issue_stage_loads(kp, smem.full_bar[pipe.stage], st, tile, token, lane);
+  HelperClaim h;
+  h.unit = b >= kp.coop.owners ? (b - kp.coop.owners) % (kp.coop.tiles_per_owner > 1 ? kp.coop.owners : num_units(kp))
+           : G > 1             ? b / (4 * G) * G + (b % (4 * G)) / 4
+                               : b / kp.coop.value_split;
+  bool new_unit = true;
+  for (;; pipe.advance()) {
+    StageStorage& st = smem.stage[pipe.stage];
+    // Claiming ahead, the claim comes first: right after the previous chunk's loads, while the
+    // intra-chunk warpgroups work; otherwise once the stage is free.
+    if (!ahead) cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+    if (!claim_next_chunk(kp, h, new_unit)) break;  // the stage stays free for the end mark below
+    new_unit = false;
+    const int rows = h.tile.chunk_rows(h.chunk);
+    const int64_t token = h.tile.token0 + int64_t(h.chunk) * kChunk;
+    if (ahead && lane == 0) prefetch_stage_l2(kp, h.tile, token);
+    const float2 beta = read_beta(p, h.tile.v_head, token, rows, lane);
+    if (ahead) cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+    store_beta(st, beta, lane);
+    if (lane == 0) {
+      st.rows = rows;
+      st.ws_slot = int(first_chunk_slot(h.tile) + h.chunk);
+      st.ws_head = h.tile.v_head;
     }
+    // The storer's bulk copy (async proxy) reads beta: order these generic stores before it.
+    fence_smem_to_async_proxy();
+    issue_stage_loads(kp, smem.full_bar[pipe.stage], st, h.tile, token, lane);
   }
   // No chunk left: an end mark (rows = -1) in the next stage of each intra warpgroup (the first
   // also stops the storer, which reads the stages in ring order). The second mark's stage is
@@ -194,12 +230,14 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
   }
 }
 
-// Helper storer (one thread of warpgroup 3): each stage an intra-chunk warpgroup finished goes to
-// its workspace slot as one bulk copy. The owner reads the slot once the flag is set, so the copy
-// must have landed first: wait for the writes (not only for the read of shared memory), order
-// them (async proxy) before the flag (generic), and set the flag with release semantics. Then the
-// stage is released to the producer.
+// Helper storer (one thread of warpgroup 3 in the helpers' kernel, of warpgroup 2 in the one-kernel
+// form): each stage an intra-chunk warpgroup finished goes to its workspace slot as one bulk copy.
+// The owner reads the slot once the flag is set, so the copy must have landed first: wait for the
+// writes, order them (async proxy) before the flag (generic), and set the flag with release
+// semantics. The stage goes back to the producer as soon as the copy has read it
+// (kp.coop.early_release; `wait_group.read`), before the writes land; otherwise after the flag.
 __device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, SharedStorage& smem) {
+  const bool early = kp.coop.early_release;
   PipelineState pipe;
   for (;; pipe.advance()) {
     StageStorage& st = smem.stage[pipe.stage];
@@ -208,10 +246,14 @@ __device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, 
     const int v_head = st.ws_head, slot = st.ws_slot;
     cute::SM90_BULK_COPY_S2G::copy(&st, workspace_stage(kp, v_head, slot), kWorkspaceStageBytes);
     cute::tma_store_arrive();
+    if (early) {
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
+    }
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(published_flag(kp, v_head, slot)), "r"(1) : "memory");
-    cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
+    if (!early) cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
   }
 }
 

@@ -186,6 +186,10 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   if (env_is("CULA_KDA_HELPER_KERNEL", "1")) plan.coop.helper_kernel = true;
 
   plan.coop.overlap_owners = !env_is("CULA_KDA_OVERLAP_OWNERS", "0");
+  // The helpers' producer claims its next chunk ahead and the storer releases a stage once its copy
+  // has read it (chunk_workspace.cuh); =0 turns either off (same results).
+  plan.coop.claim_ahead = !env_is("CULA_KDA_CLAIM_AHEAD", "0");
+  plan.coop.early_release = !env_is("CULA_KDA_EARLY_RELEASE", "0");
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
   // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a
   // chunk in ~12-13 us and the owner's chain takes ~2.6 us per chunk (docs/perf-notes.md), so a

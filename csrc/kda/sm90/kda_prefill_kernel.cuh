@@ -34,6 +34,10 @@ constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kIntraRegs = 168;
 constexpr uint32_t kStateRegs = 160;
 static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "register budget of one SM");
+// The helpers' kernel: no state warpgroups, so its claiming producer (which holds its next claim
+// across the wait for a stage) keeps more than kProducerRegs.
+constexpr uint32_t kHelperProducerRegs = 56;
+static_assert(kHelperProducerRegs + 2 * kIntraRegs + kProducerRegs <= 65536 / 128, "register budget of a helper CTA");
 // Cooperative tile owners (owner_state_math.cuh): no intra-chunk work, so its warpgroup drops to
 // kProducerRegs and the state warpgroups take the rest.
 constexpr uint32_t kOwnerStateRegs = 232;
@@ -115,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     // stores the finished stages. Both intra warpgroups enter the one call site below with the
     // same thread-index expression (run_intra_chunk).
     if (role == WarpgroupRole::kProducer) {
-      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      cutlass::arch::warpgroup_reg_dealloc<kHelperProducerRegs>();
       if (threadIdx.x < 32) run_chunk_claim_producer(kp, smem);
     } else if (role == WarpgroupRole::kState1) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();

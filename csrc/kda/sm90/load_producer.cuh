@@ -30,24 +30,35 @@ __device__ __forceinline__ void tma_load_tile(const CUtensorMap* map, uint64_t* 
   }
 }
 
-// beta of the chunk's rows into the stage (0 past the sequence end), one row per lane at a time.
-__device__ __forceinline__ void load_beta(const KdaPrefillParams& p, StageStorage& st, int v_head, int64_t token,
-                                          int rows, int lane) {
+// beta of the chunk's rows r = lane and lane + 32 (0 past the sequence end): read into registers,
+// so that a producer may read the next chunk's beta before a stage is free for it.
+__device__ __forceinline__ float2 read_beta(const KdaPrefillParams& p, int v_head, int64_t token, int rows, int lane) {
+  float b[2];
 #pragma unroll
-  for (int r = lane; r < kChunk; r += 32) {
-    float b = 0.f;
+  for (int i = 0; i < 2; ++i) {
+    const int r = lane + 32 * i;
+    b[i] = 0.f;
     if (r < rows) {
       // beta_token_stride: set by the host (never 0 here), read from parameter space.
       const int64_t idx = (token + r) * p.beta_token_stride + v_head;
-      b = p.beta_is_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.beta)[idx])
-                         : static_cast<const float*>(p.beta)[idx];
+      b[i] = p.beta_is_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.beta)[idx])
+                            : static_cast<const float*>(p.beta)[idx];
       // Logits in: sigmoid in fp32. __fdividef (MUFU.RCP + FMUL), not __frcp_rn, whose IEEE
       // slow path spilled in this 24-register warp (40 -> 52 spill bytes, longest first).
       // b < -87: 1 + e^-b overflows, the quotient is 0 (sigmoid ~ 0).
-      if (p.beta_sigmoid) b = __fdividef(1.f, 1.f + __expf(-b));
+      if (p.beta_sigmoid) b[i] = __fdividef(1.f, 1.f + __expf(-b[i]));
     }
-    st.beta[r] = b;
   }
+  static_assert(kChunk == 64, "two rows per lane");
+  return make_float2(b[0], b[1]);
+}
+__device__ __forceinline__ void store_beta(StageStorage& st, float2 b, int lane) {
+  st.beta[lane] = b.x;
+  st.beta[lane + 32] = b.y;
+}
+__device__ __forceinline__ void load_beta(const KdaPrefillParams& p, StageStorage& st, int v_head, int64_t token,
+                                          int rows, int lane) {
+  store_beta(st, read_beta(p, v_head, token, rows, lane), lane);
 }
 
 // Every lane arrives on `full` after its own beta stores (release), so the consumers' wait orders
@@ -65,6 +76,19 @@ __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uin
     cutlass::arch::ClusterBarrier::arrive(bar);
   }
   __syncwarp();
+}
+
+// The boxes issue_stage_loads will read for a chunk, fetched into L2 ahead of time (lane 0 of a
+// cooperative helper's producer, when it claims a chunk before a stage is free for it): the
+// stage's later loads then come from L2 instead of HBM.
+__device__ __forceinline__ void prefetch_stage_l2(const KdaKernelParams& kp, const TileInfo& tile, int64_t token) {
+#pragma unroll
+  for (int box = 0; box < 2; ++box) {
+    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_q, box * 64, tile.qk_head, int32_t(token));
+    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_k, box * 64, tile.qk_head, int32_t(token));
+    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_v, box * 64, tile.v_head, int32_t(token));
+    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_g, box * 64, tile.v_head, int32_t(token));
+  }
 }
 
 template <bool kLongestFirst>
