@@ -144,13 +144,15 @@ __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int p
 // round robin gives 3 or 4; measured 2-6 % slower on such rows, docs/perf-notes.md). When its
 // unit has no chunk left it takes the unit pick_helper_unit draws.
 //
-// Claiming ahead (kp.coop.claim_ahead): the next chunk is claimed, its q, k, v, g boxes fetched
-// into L2 and its beta read into registers while the intra-chunk warpgroups still work, so that
-// once a stage is free only the stage's loads (from L2) stand between the storer's release and the
-// next chunk's start, not also a claim (global atomic), the unit draw and beta's loads (~25 % of
-// an intra warpgroup's time was spent waiting for its stage at B1 T8192 H32, ncu). A claimed
-// chunk still always gets worked on: its CTA's stages free up without waiting on any other CTA.
-// Without it a chunk is claimed only once a stage is free for it.
+// By default a chunk is claimed only once a stage is free for it. Claiming ahead
+// (kp.coop.claim_ahead, CULA_KDA_CLAIM_AHEAD=1): the next chunk is claimed, its q, k, v, g boxes
+// fetched into L2 and its beta read into registers while the intra-chunk warpgroups still work,
+// so that once a stage is free only the stage's loads stand between the storer's release and the
+// next chunk's start (ncu: ~25 % of an intra warpgroup's time went to waiting for its stage at B1
+// T8192 H32). Measured within +-3 % on most rows and 7 % slower at B1 T8192 H16 (a chunk claimed
+// ahead waits up to a chunk's time for its stage while an owner may be waiting for it), so it is
+// off. A claimed chunk still always gets worked on: its CTA's stages free up without waiting on
+// any other CTA.
 struct HelperClaim {
   int unit = -1;      // -1: no chunk left for this CTA
   int chunk = 0;      // the claimed chunk of the unit's tile
