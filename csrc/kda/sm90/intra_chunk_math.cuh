@@ -233,6 +233,169 @@ __device__ __forceinline__ void wide_diagonal_terms(const IntraScratch& ws, Stag
   }
 }
 
+// The gate's constants for one value head and the thread's feature pair (tid % 64), folded once
+// per chunk: for the lower-bound form exp2(-scale (g + b) log2 e) = exp2(fma(g, slope, icpt)).
+struct GateConstants {
+  float scale;      // exp(A_log) (1 without A_log)
+  float2 bias;      // dt_bias of the pair (0 without it)
+  float slope;      // -scale log2(e)
+  float2 icpt;      // slope * bias
+  float lb_log2;    // lower_bound in log2 units
+  __device__ __forceinline__ GateConstants(const KdaPrefillParams& p, float gate_scale, float2 gate_bias)
+      : scale(gate_scale), bias(gate_bias), slope(-gate_scale * kLog2e),
+        icpt(make_float2(slope * gate_bias.x, slope * gate_bias.y)), lb_log2(p.lower_bound * kLog2e) {}
+};
+
+// Log2 decays of one row's feature pair from the loaded raw gate pair (bf16x2): the gate
+// activation in kernel, or the given log decays; floored for general gates.
+template <bool kGateInKernel, Decays kDecays>
+__device__ __forceinline__ void log2_decay_pair(uint32_t graw, const GateConstants& gc, float& g0, float& g1) {
+  const float2 x = bf16x2_to_float2(graw);
+  if constexpr (kGateInKernel) {
+    if constexpr (kDecays == Decays::kGeneralSoftplus) {
+      // -exp(A_log) softplus(g + dt_bias), in log2 units: softplus(y) log2(e) =
+      // max(y, 0) log2(e) + log2(1 + exp2(-|y| log2(e))). A raw -inf (a row past the end)
+      // gives softplus = 0: no decay.
+      const float y0 = x.x + gc.bias.x, y1 = x.y + gc.bias.y;
+      g0 = -gc.scale * (fmaxf(y0, 0.f) * kLog2e + __log2f(1.f + fast_exp2(-fabsf(y0) * kLog2e)));
+      g1 = -gc.scale * (fmaxf(y1, 0.f) * kLog2e + __log2f(1.f + fast_exp2(-fabsf(y1) * kLog2e)));
+    } else {
+      // lower_bound * sigmoid(scale * (g + b)) in log2 units, with the constants folded. A raw
+      // -inf (a row past the end) gives exp2(+inf) = inf and a decay of 0.
+      g0 = __fdividef(gc.lb_log2, 1.f + fast_exp2(fmaf(x.x, gc.slope, gc.icpt.x)));
+      g1 = __fdividef(gc.lb_log2, 1.f + fast_exp2(fmaf(x.y, gc.slope, gc.icpt.y)));
+    }
+  } else {
+    g0 = x.x * kLog2e;
+    g1 = x.y * kLog2e;
+  }
+  if constexpr (kDecays != Decays::kSafe) {  // -inf (and anything below) -> the floor; NaN stays NaN
+    g0 = g0 < kGateFloorLog2 ? kGateFloorLog2 : g0;
+    g1 = g1 < kGateFloorLog2 ? kGateFloorLog2 : g1;
+  }
+}
+
+// Step 3 for one 16-row block and the thread's feature pair: QE = q e, KE = k e, KT = k f in
+// place over q, k, g, with e = exp2(G - ref) and f = exp2(cum - G). G0/G1: cumulative log2 decays
+// of the block's rows and cum0/cum1 the block end's, both from the same origin; ref = cum unless
+// the feature is wide (general gates). rnorm: the l2-norm reciprocals (q rows, then k rows).
+template <bool kGeneral, bool kL2Norm>
+__device__ __forceinline__ void store_block_operands(StageStorage& st, const PairColumn& addr, int row0,
+                                                     const float (&G0)[kSubBlock], const float (&G1)[kSubBlock],
+                                                     float cum0, float cum1, float ref0, float ref1,
+                                                     const uint32_t (&qx)[kSubBlock], const uint32_t (&kx)[kSubBlock],
+                                                     const float* rnorm) {
+  // The l2-norm reciprocals of four rows at a time as one 16-byte load: the stores below could
+  // alias them as far as the compiler knows, so each load waits for the stores before it.
+  float4 rq4 = make_float4(1.f, 1.f, 1.f, 1.f), rk4 = rq4;
+#pragma unroll
+  for (int ii = 0; ii < kSubBlock; ++ii) {
+    const int i = row0 + ii;
+    const float d0 = G0[ii] - cum0, d1 = G1[ii] - cum1;  // >= 0
+    const float e0 = kGeneral ? fast_exp2(G0[ii] - ref0) : fast_exp2(d0);
+    const float e1 = kGeneral ? fast_exp2(G1[ii] - ref1) : fast_exp2(d1);
+    const float f0 = fast_exp2(-d0), f1 = fast_exp2(-d1);
+    float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
+    if constexpr (kL2Norm) {
+      if (ii % 4 == 0) {
+        rq4 = *reinterpret_cast<const float4*>(rnorm + i);
+        rk4 = *reinterpret_cast<const float4*>(rnorm + kChunk + i);
+      }
+      const float rq = ii % 4 == 0 ? rq4.x : ii % 4 == 1 ? rq4.y : ii % 4 == 2 ? rq4.z : rq4.w;
+      const float rk = ii % 4 == 0 ? rk4.x : ii % 4 == 1 ? rk4.y : ii % 4 == 2 ? rk4.z : rk4.w;
+      qv = make_float2(qv.x * rq, qv.y * rq);
+      kv = make_float2(kv.x * rk, kv.y * rk);
+    }
+    const uint32_t off = addr(i);
+    st_bf16x2(st.q, off, qv.x * e0, qv.y * e1);
+    st_bf16x2(st.k, off, kv.x * e0, kv.y * e1);
+    st_bf16x2(st.g, off, kv.x * f0, kv.y * f1);
+  }
+}
+
+// Rows past the sequence end (the last chunk of a sequence only; `rows` is the same for the whole
+// warpgroup): q = k = 0 and a raw gate that means "no decay" (-inf before the sigmoid of the
+// lower-bound form or the softplus form, 0 for given log decays), written over what TMA loaded
+// there. Then every pass after it treats all 64 rows alike, without a per-row validity select.
+// kThreads threads (tid < kThreads) under named barrier `bar`.
+template <bool kGateInKernel, int kThreads>
+__device__ __forceinline__ void fill_rows_past_end(StageStorage& st, int rows, NamedBarrierId bar, int tid) {
+  if (rows < kChunk) {
+    const uint32_t g_fill = kGateInKernel ? 0xff80ff80u : 0u;  // bf16x2 (-inf, -inf) or (0, 0)
+    for (int x = tid; x < (kChunk - rows) * 16; x += kThreads) {
+      const int row = rows + (x >> 4), chunk = x & 15;  // 16-byte chunk: box chunk / 8
+      const uint32_t off = uint32_t((chunk >> 3) * kBoxBytes) + sw128_chunk_offset(row, chunk & 7);
+      *reinterpret_cast<uint4*>(st.q + off) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(st.k + off) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(st.g + off) = make_uint4(g_fill, g_fill, g_fill, g_fill);
+    }
+    named_barrier_sync(bar, kThreads);
+  }
+}
+
+// Row statistics (step 1): thread (part, r), part = tid / 64, sums q.q, k.k and q.k of row r over
+// features [128 / kParts * part, ...) of q and k; row_stats holds [3][kParts][64] partial sums,
+// added in part order by threads 0..63, which write the l2-norm reciprocals (rnorm: q rows, then
+// k rows) and A_qk's diagonal into the stage. (v stays as loaded: beta enters U in step 8.)
+template <bool kL2Norm, int kThreads>
+__device__ __forceinline__ void row_statistics(StageStorage& st, float* rnorm, float* row_stats, int rows,
+                                               NamedBarrierId bar, int tid) {
+  constexpr int kParts = kThreads / kChunk;
+  constexpr int kChunksPerPart = 16 / kParts;  // 16-byte chunks of a row per part
+  static_assert(kParts == 2 || kParts == 4, "128 or 256 threads");
+  const int r = tid & 63, part = tid >> 6;
+  const int box = (part * kChunksPerPart) >> 3, chunk0 = (part * kChunksPerPart) & 7;
+  const uint8_t* q_row = st.q + box * kBoxBytes;
+  const uint8_t* k_row = st.k + box * kBoxBytes;
+  uint4 qraw[kChunksPerPart], kraw[kChunksPerPart];
+#pragma unroll
+  for (int x = 0; x < kChunksPerPart; ++x) {
+    qraw[x] = *reinterpret_cast<const uint4*>(q_row + sw128_chunk_offset(r, chunk0 + x));
+    kraw[x] = *reinterpret_cast<const uint4*>(k_row + sw128_chunk_offset(r, chunk0 + x));
+  }
+  float qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+  for (int x = 0; x < kChunksPerPart; ++x) {
+    const uint32_t qw[4] = {qraw[x].x, qraw[x].y, qraw[x].z, qraw[x].w};
+    const uint32_t kw[4] = {kraw[x].x, kraw[x].y, kraw[x].z, kraw[x].w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float2 a = bf16x2_to_float2(qw[u]), b = bf16x2_to_float2(kw[u]);
+      qk = fmaf(a.x, b.x, fmaf(a.y, b.y, qk));
+      if constexpr (kL2Norm) {
+        qq = fmaf(a.x, a.x, fmaf(a.y, a.y, qq));
+        kk = fmaf(b.x, b.x, fmaf(b.y, b.y, kk));
+      }
+    }
+  }
+  row_stats[(0 * kParts + part) * kChunk + r] = qq;
+  row_stats[(1 * kParts + part) * kChunk + r] = kk;
+  row_stats[(2 * kParts + part) * kChunk + r] = qk;
+  named_barrier_sync(bar, kThreads);
+  if (tid < kChunk) {
+    const auto sum = [&](int stat) {
+      float x = row_stats[(stat * kParts) * kChunk + r];
+#pragma unroll
+      for (int q = 1; q < kParts; ++q) x += row_stats[(stat * kParts + q) * kChunk + r];
+      return x;
+    };
+    float rq = 1.f, rk = 1.f;
+    if constexpr (kL2Norm) {
+      rq = rsqrtf(sum(0) + kL2NormEps);
+      rk = rsqrtf(sum(1) + kL2NormEps);
+      rnorm[r] = rq;
+      rnorm[kChunk + r] = rk;
+    }
+    // A_qk[i, i] = q_i . k_i exactly (the decays cancel), in fp32 from the loaded rows; the state
+    // warpgroups apply it in fp32 (see state_math.cuh). From the rescaled bf16 operands it would
+    // carry their rounding, amplified by the cancellation in a dot product of two unit vectors,
+    // and stored as bf16 it would scale a whole output row by one rounding error: for a
+    // one-token sequence that term is the whole output.
+    st.aqk_diag[r] = r < rows ? sum(2) * rq * rk : 0.f;
+  }
+  named_barrier_sync(bar, kThreads);
+}
+
 // Steps 1-3: l2 norms, gates, cumsum, rescaled operands.
 // Thread (h = tid / 64, cp = tid % 64) owns features 2 cp and 2 cp + 1 of rows [32 h, 32 h + 32):
 // two 16-row blocks, so e and f (which only depend on G inside a block) need nothing from the other
@@ -248,76 +411,12 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
                                                        float (*a_ref)[kHeadDim], int rows, float gate_scale,
                                                        float2 gate_bias, int tid) {
   constexpr bool kGeneral = kDecays != Decays::kSafe;
-  // Rows past the sequence end (the last chunk of a sequence only; `rows` is the same for the whole
-  // warpgroup): q = k = 0 and a raw gate that means "no decay" (-inf before the sigmoid of the
-  // lower-bound form or the softplus form, 0 for given log decays), written over what TMA loaded
-  // there. Then every pass below treats all 64 rows alike, without a per-row validity select.
-  if (rows < kChunk) {
-    const uint32_t g_fill = kGateInKernel ? 0xff80ff80u : 0u;  // bf16x2 (-inf, -inf) or (0, 0)
-    for (int x = tid; x < (kChunk - rows) * 16; x += 128) {
-      const int row = rows + (x >> 4), chunk = x & 15;  // 16-byte chunk: box chunk / 8
-      const uint32_t off = uint32_t((chunk >> 3) * kBoxBytes) + sw128_chunk_offset(row, chunk & 7);
-      *reinterpret_cast<uint4*>(st.q + off) = make_uint4(0u, 0u, 0u, 0u);
-      *reinterpret_cast<uint4*>(st.k + off) = make_uint4(0u, 0u, 0u, 0u);
-      *reinterpret_cast<uint4*>(st.g + off) = make_uint4(g_fill, g_fill, g_fill, g_fill);
-    }
-    named_barrier_sync(ws.bar, 128);
-  }
-  // Row statistics: thread (half, r) reads features [64 half, 64 half + 64) of row r of q and of k
-  // and sums q.q, k.k and q.k over them; the halves are added through shared memory. (v stays as
-  // loaded: beta enters U in step 8.)
-  {
-    const int r = tid & 63, half = tid >> 6;
-    const uint8_t* q_row = st.q + half * kBoxBytes;
-    const uint8_t* k_row = st.k + half * kBoxBytes;
-    uint4 qraw[8], kraw[8];
-#pragma unroll
-    for (int x = 0; x < 8; ++x) {
-      qraw[x] = *reinterpret_cast<const uint4*>(q_row + sw128_chunk_offset(r, x));
-      kraw[x] = *reinterpret_cast<const uint4*>(k_row + sw128_chunk_offset(r, x));
-    }
-    float qq = 0.f, kk = 0.f, qk = 0.f;
-#pragma unroll
-    for (int x = 0; x < 8; ++x) {
-      const uint32_t qw[4] = {qraw[x].x, qraw[x].y, qraw[x].z, qraw[x].w};
-      const uint32_t kw[4] = {kraw[x].x, kraw[x].y, kraw[x].z, kraw[x].w};
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float2 a = bf16x2_to_float2(qw[u]), b = bf16x2_to_float2(kw[u]);
-        qk = fmaf(a.x, b.x, fmaf(a.y, b.y, qk));
-        if constexpr (kL2Norm) {
-          qq = fmaf(a.x, a.x, fmaf(a.y, a.y, qq));
-          kk = fmaf(b.x, b.x, fmaf(b.y, b.y, kk));
-        }
-      }
-    }
-    row_stats[(0 * 2 + half) * kChunk + r] = qq;
-    row_stats[(1 * 2 + half) * kChunk + r] = kk;
-    row_stats[(2 * 2 + half) * kChunk + r] = qk;
-    named_barrier_sync(ws.bar, 128);
-    if (tid < kChunk) {
-      float rq = 1.f, rk = 1.f;
-      if constexpr (kL2Norm) {
-        rq = rsqrtf(row_stats[0 * kChunk + r] + row_stats[1 * kChunk + r] + kL2NormEps);
-        rk = rsqrtf(row_stats[2 * kChunk + r] + row_stats[3 * kChunk + r] + kL2NormEps);
-        rnorm[r] = rq;
-        rnorm[kChunk + r] = rk;
-      }
-      // A_qk[i, i] = q_i . k_i exactly (the decays cancel), in fp32 from the loaded rows; the state
-      // warpgroups apply it in fp32 (see state_math.cuh). From the rescaled bf16 operands it would
-      // carry their rounding, amplified by the cancellation in a dot product of two unit vectors,
-      // and stored as bf16 it would scale a whole output row by one rounding error: for a
-      // one-token sequence that term is the whole output.
-      st.aqk_diag[r] = r < rows ? (row_stats[4 * kChunk + r] + row_stats[5 * kChunk + r]) * rq * rk : 0.f;
-    }
-    named_barrier_sync(ws.bar, 128);
-  }
+  fill_rows_past_end<kGateInKernel, 128>(st, rows, ws.bar, tid);
+  row_statistics<kL2Norm, 128>(st, rnorm, row_stats, rows, ws.bar, tid);
 
   const int h = tid >> 6, cp = tid & 63, col = 2 * cp;
   const PairColumn addr(cp);
-  const float slope = -gate_scale * kLog2e;  // the gate's folded constants (see below)
-  const float icpt0 = slope * gate_bias.x, icpt1 = slope * gate_bias.y;
-  const float lb_log2 = p.lower_bound * kLog2e;
+  const GateConstants gc(p, gate_scale, gate_bias);
   float cum0 = 0.f, cum1 = 0.f;
   float rb_local[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
   bool wide[2][2] = {{false, false}, {false, false}};  // general gates: [block of the half][feature]
@@ -342,31 +441,8 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     float G0[kSubBlock], G1[kSubBlock];
 #pragma unroll
     for (int ii = 0; ii < kSubBlock; ++ii) {
-      const float2 x = bf16x2_to_float2(gx[ii]);
       float g0, g1;
-      if constexpr (kGateInKernel) {
-        if constexpr (kDecays == Decays::kGeneralSoftplus) {
-          // -exp(A_log) softplus(g + dt_bias), in log2 units: softplus(y) log2(e) =
-          // max(y, 0) log2(e) + log2(1 + exp2(-|y| log2(e))). A raw -inf (a row past the end)
-          // gives softplus = 0: no decay.
-          const float y0 = x.x + gate_bias.x, y1 = x.y + gate_bias.y;
-          g0 = -gate_scale * (fmaxf(y0, 0.f) * kLog2e + __log2f(1.f + fast_exp2(-fabsf(y0) * kLog2e)));
-          g1 = -gate_scale * (fmaxf(y1, 0.f) * kLog2e + __log2f(1.f + fast_exp2(-fabsf(y1) * kLog2e)));
-        } else {
-          // lower_bound * sigmoid(scale * (g + b)) in log2 units, with the constants folded:
-          // exp2(-scale (g + b) log2 e) = exp2(fma(g, slope, icpt)). A raw -inf (a row past the
-          // end) gives exp2(+inf) = inf and a decay of 0.
-          g0 = __fdividef(lb_log2, 1.f + fast_exp2(fmaf(x.x, slope, icpt0)));
-          g1 = __fdividef(lb_log2, 1.f + fast_exp2(fmaf(x.y, slope, icpt1)));
-        }
-      } else {
-        g0 = x.x * kLog2e;
-        g1 = x.y * kLog2e;
-      }
-      if constexpr (kGeneral) {  // -inf (and anything below) -> the floor; NaN stays NaN
-        g0 = g0 < kGateFloorLog2 ? kGateFloorLog2 : g0;
-        g1 = g1 < kGateFloorLog2 ? kGateFloorLog2 : g1;
-      }
+      log2_decay_pair<kGateInKernel, kDecays>(gx[ii], gc, g0, g1);
       cum0 += g0;
       cum1 += g1;
       G0[ii] = cum0;
@@ -390,32 +466,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       wide[1][0] = wide0;
       wide[1][1] = wide1;
     }
-    // The l2-norm reciprocals of four rows at a time as one 16-byte load: the stores below could
-    // alias them as far as the compiler knows, so each load waits for the stores before it.
-    float4 rq4 = make_float4(1.f, 1.f, 1.f, 1.f), rk4 = rq4;
-#pragma unroll
-    for (int ii = 0; ii < kSubBlock; ++ii) {
-      const int i = row0 + ii;
-      const float d0 = G0[ii] - cum0, d1 = G1[ii] - cum1;  // >= 0
-      const float e0 = kGeneral ? fast_exp2(G0[ii] - ref0) : fast_exp2(d0);
-      const float e1 = kGeneral ? fast_exp2(G1[ii] - ref1) : fast_exp2(d1);
-      const float f0 = fast_exp2(-d0), f1 = fast_exp2(-d1);
-      float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
-      if constexpr (kL2Norm) {
-        if (ii % 4 == 0) {
-          rq4 = *reinterpret_cast<const float4*>(rnorm + i);
-          rk4 = *reinterpret_cast<const float4*>(rnorm + kChunk + i);
-        }
-        const float rq = ii % 4 == 0 ? rq4.x : ii % 4 == 1 ? rq4.y : ii % 4 == 2 ? rq4.z : rq4.w;
-        const float rk = ii % 4 == 0 ? rk4.x : ii % 4 == 1 ? rk4.y : ii % 4 == 2 ? rk4.z : rk4.w;
-        qv = make_float2(qv.x * rq, qv.y * rq);
-        kv = make_float2(kv.x * rk, kv.y * rk);
-      }
-      const uint32_t off = addr(i);
-      st_bf16x2(st.q, off, qv.x * e0, qv.y * e1);
-      st_bf16x2(st.k, off, kv.x * e0, kv.y * e1);
-      st_bf16x2(st.g, off, kv.x * f0, kv.y * f1);
-    }
+    store_block_operands<kGeneral, kL2Norm>(st, addr, row0, G0, G1, cum0, cum1, ref0, ref1, qx, kx, rnorm);
     if constexpr (kGeneral) {
       wide_diagonal_terms<kL2Norm>(ws, st, G0, G1, qx, kx, wide0, wide1, rnorm, 2 * h + bb, tid);
     }
@@ -567,7 +618,11 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 // KT exp2(r_3 - r_b) (both factors <= 1, for general gates too: KT is referenced to the block end
 // either way), so that the owner's state update is one batch of products instead of four Horner
 // steps (state_math.cuh).
-template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false>
+//
+// kPrepped (the fused kernel with safe gates): steps 1-3 are done already, by the state
+// warpgroups (chunk_prep.cuh); the chain starts at the A products.
+template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false,
+          bool kPrepped = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer) {
   const int warp = tid >> 5, lane = tid & 31;
@@ -576,8 +631,11 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
   float* row_stats = reinterpret_cast<float*>(ws.scratch + kRowStatsOffset);
   float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
     constexpr bool kGeneral = kDecays != Decays::kSafe;
-    intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rnorm, row_stats, ws.a_ref, rows,
-                                                             gate_scale, gate_bias, tid);
+    static_assert(!kPrepped || !kGeneral, "prep ahead is for safe gates");
+    if constexpr (!kPrepped) {
+      intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rnorm, row_stats, ws.a_ref, rows,
+                                                               gate_scale, gate_bias, tid);
+    }
     timer.mark(1);
 
     float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
@@ -774,7 +832,11 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
 // (kp.coop.helper_intra == 2; `which` 0 and 1), each on every other stage of the ring: the work
 // of one is a latency-bound chain on one warp per scheduler, and a second chain beside it fills
 // the issue slots the first leaves idle. The fused kernel runs one (which = 0).
-template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, Decays kDecays = Decays::kSafe>
+//
+// kPrepAhead (fused kernel, safe gates): the state warpgroups prepared each stage (steps 1-3,
+// chunk_prep.cuh); the warpgroup waits for that (`prepped`) instead of the load (`full`).
+template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, Decays kDecays = Decays::kSafe,
+          bool kPrepAhead = false>
 __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem, int which = 0) {
   const KdaPrefillParams& p = kp.problem;
   // The thread's index in its warpgroup (1 or, for a helper's second intra warpgroup, 2), the same
@@ -813,15 +875,20 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
   } else {
     TileCursor cursor;
     for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
-      float gate_scale;
-      float2 gate_bias;
-      gate_parameters<kGateInKernel>(p, tile.v_head, tid, gate_scale, gate_bias);
+      float gate_scale = 1.f;
+      float2 gate_bias = make_float2(0.f, 0.f);
+      if constexpr (!kPrepAhead) gate_parameters<kGateInKernel>(p, tile.v_head, tid, gate_scale, gate_bias);
       for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
         StageStorage& st = smem.stage[pipe.stage];
         const int rows = tile.chunk_rows(c);
-        cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+        if constexpr (kPrepAhead) {
+          cutlass::arch::ClusterBarrier::wait(&smem.prepped_bar[pipe.stage], pipe.phase);
+        } else {
+          cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+        }
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kDecays, false, kPrepAhead>(p, ws, st, rows, gate_scale, gate_bias, tid,
+                                                                        timer);
         // Step 9: hand the stage to the state warpgroups.
         fence_smem_to_async_proxy();
         cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);

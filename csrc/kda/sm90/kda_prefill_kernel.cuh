@@ -75,6 +75,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   }
   const bool helper = kHelpers || (kCoop && coop_role.helper);
+  // Prep ahead (chunk_prep.cuh): in the fused index-order kernels with safe gates the state
+  // warpgroups run steps 1-3 of the next chunk. (Longest first hands out short tiles, whose first
+  // chunk would wait for the previous tile's end; general gates keep their wide-pair pass in the
+  // intra-chunk warpgroup.)
+  constexpr bool kPrepAhead = kPass == KernelPass::kFused && !kLongestFirst && kDecays == Decays::kSafe;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
   // __shared__ array itself: a round trip through an integer would hide from the compiler that the
@@ -89,6 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 32);  // the producer warp's lanes
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
+      if constexpr (kPrepAhead) cutlass::arch::ClusterBarrier::init(&smem.prepped_bar[s], 2 * 128);  // both state WGs
       // Released by both state warpgroups, in a cooperative helper by the storer thread, in an
       // owner of half a tile (value split) by its one state warpgroup.
       cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : (kCoop && coop_role.half >= 0) ? 128 : 256);
@@ -155,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-      run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, kDecays>(kp, smem);
+      run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, kDecays, kPrepAhead>(kp, smem);
     }
   } else if (helper) {
     if constexpr (kCoop) {  // one-kernel form: one thread of warpgroup 2 is the storer
@@ -175,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       asm volatile("griddepcontrol.wait;" ::: "memory");
     } else {
       cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-      run_state_warpgroup<kLongestFirst>(kp, smem, half);
+      run_state_warpgroup<kLongestFirst, kPrepAhead, kGateInKernel, kL2Norm>(kp, smem, half);
     }
   }
 #endif

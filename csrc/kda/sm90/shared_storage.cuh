@@ -94,7 +94,8 @@ struct alignas(1024) SharedStorage {
   uint64_t tile_full_bar[kTileSlots];   // producer -> math warpgroups
   uint64_t tile_empty_bar[kTileSlots];  // math warpgroups -> producer
 
-  uint64_t full_bar[kStages];   // TMA -> intra
+  uint64_t full_bar[kStages];   // TMA -> intra (prep ahead: TMA -> state, chunk_prep.cuh)
+  uint64_t prepped_bar[kStages];  // prep ahead: state (steps 1-3 of the stage's chunk) -> intra
   uint64_t ready_bar[kStages];  // intra -> state
   uint64_t empty_bar[kStages];  // state -> producer
 };

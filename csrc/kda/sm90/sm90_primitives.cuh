@@ -206,7 +206,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // Named barriers (ids 0 is __syncthreads; we start at 1).
 // ------------------------------------------------------------------------------------------
 // kHelperIntra1: the second intra-chunk warpgroup of a cooperative helper (chunk_workspace.cuh).
-enum class NamedBarrierId : uint32_t { kIntra = 1, kState0 = 2, kState1 = 3, kScheduleSort = 4, kHelperIntra1 = 5 };
+enum class NamedBarrierId : uint32_t { kIntra = 1, kState0 = 2, kState1 = 3, kScheduleSort = 4, kHelperIntra1 = 5,
+                                    kStatePrep = 6 };  // both state warpgroups, prep ahead (chunk_prep.cuh)
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrierId id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");

@@ -17,6 +17,7 @@
 #include "kernel_params.cuh"
 #include "shared_storage.cuh"
 #include "sm90_primitives.cuh"
+#include "chunk_prep.cuh"
 #include "store_epilogue.cuh"
 #include "tile_scheduler.cuh"
 
@@ -35,7 +36,9 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
 }
 
 // The fused kernel's state warpgroups (the cooperative mode's owners: owner_state_math.cuh).
-template <bool kLongestFirst>
+// kPrepAhead (safe gates): both warpgroups also run steps 1-3 of each tile's next chunk before
+// they wait for the current one (chunk_prep.cuh).
+template <bool kLongestFirst, bool kPrepAhead = false, bool kGateInKernel = false, bool kL2Norm = false>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
@@ -53,8 +56,33 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
+    const int num_chunks = tile.num_chunks();
 
-    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
+    // Prep ahead: steps 1-3 of chunk c on its stage (`at`), by both warpgroups, once it is loaded.
+    const int prep_tid = tid + kWarpgroupThreads * half;  // 0..255, feature pair prep_tid % 64
+    [[maybe_unused]] GateConstants gc(p, 1.f, make_float2(0.f, 0.f));
+    const auto prep = [&](const PipelineState& at, int c) {
+      StageStorage& st = smem.stage[at.stage];
+      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
+      prep_chunk_ahead<kGateInKernel, kL2Norm>(p, st, tile.chunk_rows(c), gc, prep_tid);
+      cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
+    };
+    if constexpr (kPrepAhead) {
+      float gate_scale;
+      float2 gate_bias;
+      gate_parameters<kGateInKernel>(p, tile.v_head, prep_tid, gate_scale, gate_bias);
+      gc = GateConstants(p, gate_scale, gate_bias);
+      if (num_chunks > 0) prep(pipe, 0);
+    }
+
+    for (int c = 0; c < num_chunks; ++c, pipe.advance()) {
+      if constexpr (kPrepAhead) {
+        if (c + 1 < num_chunks) {  // its stage was released after chunk c - 1
+          PipelineState next = pipe;
+          next.advance();
+          prep(next, c + 1);
+        }
+      }
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
       timer.mark(0);

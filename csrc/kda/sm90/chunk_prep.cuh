@@ -1,0 +1,91 @@
+// Prep ahead: the state warpgroups of the fused kernel (safe gates) run steps 1-3 of the next
+// chunk (l2 norms, gates, cumsum, QE / KE / KT in place) while the intra-chunk warpgroup runs
+// steps 4-9 of the current one.
+//
+// Why: the intra-chunk warpgroup's chain (~23k cycles per chunk, docs/perf-notes.md) is the fused
+// kernel's critical path, and the state warpgroups wait ~70 % of each chunk for it. The stage of
+// chunk c + 1 is the one the state warpgroups released after chunk c - 1, so it is loaded while the
+// intra-chunk warpgroup still works on chunk c: the state warpgroups prepare it there, in place,
+// before they wait for chunk c. The intra-chunk warpgroup then starts chunk c + 1 at its A products
+// (intra_chunk<..., kPrepped = true>), and its chain loses the prep (~7.7k cycles). Per chunk the
+// state warpgroups run, in order:
+//
+//   wait full(c + 1) -> prep(c + 1) -> arrive prepped(c + 1) -> wait ready(c) -> state(c) -> release(c)
+//
+// The two state warpgroups (256 threads) share the work: thread (b, cp) = (tid / 64, tid % 64)
+// takes feature pair cp of the 16-row block b, with its cumulative decays from the block's start;
+// the block-end values r_b then add the earlier blocks' totals. The scratch (l2-norm reciprocals,
+// row statistics, block totals) lies in the stage's A_qk tile, which nothing reads between the
+// state warpgroups' use of chunk c - 1 and the intra-chunk warpgroup's step 5 for chunk c + 1.
+#pragma once
+
+#include "intra_chunk_math.cuh"
+#include "kernel_params.cuh"
+#include "shared_storage.cuh"
+#include "sm90_primitives.cuh"
+
+namespace cula::kda::sm90 {
+
+constexpr int kPrepThreads = 2 * kWarpgroupThreads;
+// Scratch offsets in the stage's A_qk tile (bytes).
+constexpr int kPrepRnormOffset = 0;         // float[128]: q rows, then k rows
+constexpr int kPrepRowStatsOffset = 1024;   // float[3][4][64]
+constexpr int kPrepTotalsOffset = 4096;     // float[4][128]: each block's decay total per feature
+static_assert(kPrepRowStatsOffset >= 128 * 4 && kPrepRowStatsOffset + 3 * 4 * 64 * 4 <= kPrepTotalsOffset &&
+                  kPrepTotalsOffset + kNumSubBlocks * kHeadDim * 4 <= kChunk * kChunk * 2,
+              "the prep's scratch must fit in the stage's A_qk tile");
+
+// Steps 1-3 of one chunk with `rows` valid rows on its loaded stage, by the 256 threads of the two
+// state warpgroups (tid 0..255). Same arithmetic per element as intra_prepare_operands (safe
+// gates); the cumulative decays start at each block (not each half) and r_b is the sum of the
+// block totals, so the results agree with the intra-chunk warpgroup's prep to rounding.
+template <bool kGateInKernel, bool kL2Norm>
+__device__ __forceinline__ void prep_chunk_ahead(const KdaPrefillParams& p, StageStorage& st, int rows,
+                                                 const GateConstants& gc, int tid) {
+  constexpr NamedBarrierId bar = NamedBarrierId::kStatePrep;
+  float* rnorm = reinterpret_cast<float*>(st.aqk + kPrepRnormOffset);
+  float* row_stats = reinterpret_cast<float*>(st.aqk + kPrepRowStatsOffset);
+  float (*totals)[kHeadDim] = reinterpret_cast<float (*)[kHeadDim]>(st.aqk + kPrepTotalsOffset);
+
+  fill_rows_past_end<kGateInKernel, kPrepThreads>(st, rows, bar, tid);
+  row_statistics<kL2Norm, kPrepThreads>(st, rnorm, row_stats, rows, bar, tid);
+
+  const int b = tid >> 6, cp = tid & 63, col = 2 * cp, row0 = kSubBlock * b;
+  const PairColumn addr(cp);
+  uint32_t gx[kSubBlock], qx[kSubBlock], kx[kSubBlock];
+#pragma unroll
+  for (int ii = 0; ii < kSubBlock; ++ii) {
+    const uint32_t off = addr(row0 + ii);
+    gx[ii] = ld_bf16x2(st.g, off);
+    qx[ii] = ld_bf16x2(st.q, off);
+    kx[ii] = ld_bf16x2(st.k, off);
+  }
+  float G0[kSubBlock], G1[kSubBlock];
+  float cum0 = 0.f, cum1 = 0.f;
+#pragma unroll
+  for (int ii = 0; ii < kSubBlock; ++ii) {
+    float g0, g1;
+    log2_decay_pair<kGateInKernel, Decays::kSafe>(gx[ii], gc, g0, g1);
+    cum0 += g0;
+    cum1 += g1;
+    G0[ii] = cum0;
+    G1[ii] = cum1;
+  }
+  *reinterpret_cast<float2*>(&totals[b][col]) = make_float2(cum0, cum1);
+  store_block_operands</*kGeneral=*/false, kL2Norm>(st, addr, row0, G0, G1, cum0, cum1, cum0, cum1, qx, kx, rnorm);
+  named_barrier_sync(bar, kPrepThreads);  // every block's total is written
+  float off0 = 0.f, off1 = 0.f;
+#pragma unroll
+  for (int e = 0; e < kNumSubBlocks - 1; ++e) {
+    if (e < b) {
+      const float2 t = *reinterpret_cast<const float2*>(&totals[e][col]);
+      off0 += t.x;
+      off1 += t.y;
+    }
+  }
+  *reinterpret_cast<float2*>(&st.r_block[b][col]) = make_float2(off0 + cum0, off1 + cum1);
+  // The intra-chunk warpgroup reads QE, KE by ldmatrix and KT by WGMMA (async proxy).
+  fence_smem_to_async_proxy();
+}
+
+}  // namespace cula::kda::sm90
