@@ -77,11 +77,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   }
   const bool helper = kHelpers || (kCoop && coop_role.helper);
-  // Prep ahead (chunk_prep.cuh): in the fused index-order kernels with safe gates the state
-  // warpgroups run steps 1-3 of the next chunk. (Longest first hands out short tiles, whose first
-  // chunk would wait for the previous tile's end; general gates keep their wide-pair pass in the
-  // intra-chunk warpgroup.)
-  constexpr bool kPrepAhead = kPass == KernelPass::kFused && !kLongestFirst && kDecays == Decays::kSafe;
+  // Prep ahead (chunk_prep.cuh): in the fused kernels with safe gates the state warpgroups run
+  // steps 1-3 of the next chunk, across tile boundaries too. (General gates keep their wide-pair
+  // pass in the intra-chunk warpgroup: its scratch does not fit in a stage.)
+  constexpr bool kPrepAhead = kPass == KernelPass::kFused && kDecays == Decays::kSafe;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
   // __shared__ array itself: a round trip through an integer would hide from the compiler that the
