@@ -111,6 +111,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
           }
         }
       }
+      if constexpr (kPrepAhead) timer.mark(6);  // the prep (its wait for the stage's load included)
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
       timer.mark(0);
@@ -258,7 +259,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
   }
   zero_uncovered_rows(p, int(blockIdx.x), tid + 128 * half, int(gridDim.x));
-  timer.report(half ? "state1: wait s2smem P vnew O+S store" : "state0: wait s2smem P vnew O+S store", tid);
+  timer.report(half ? "state1: wait s2smem P vnew O+S store prep" : "state0: wait s2smem P vnew O+S store prep", tid);
 }
 
 }  // namespace cula::kda::sm90
