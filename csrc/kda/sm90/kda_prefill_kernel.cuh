@@ -7,8 +7,8 @@
 //
 // Hand-offs are mbarriers per stage: full (TMA -> intra), ready (intra -> state), empty (state ->
 // producer). setmaxnreg moves registers from the producer to the math warpgroups. With prep ahead
-// (index order, safe gates: chunk_prep.cuh) the state warpgroups also run steps 1-3 of chunk c+2
-// (full -> state, then prepped -> intra) before their work on chunk c+1.
+// (safe gates: chunk_prep.cuh) the state warpgroups also run steps 1-3 of chunk c+2 (full ->
+// state, then prepped -> intra) before their work on chunk c+1.
 //
 // The cooperative mode (fewer tiles than SMs; kernel_params.cuh: KernelPass) runs one CTA per SM:
 // in the tile owners (cooperative_role in tile_scheduler.cuh) warpgroup 0's producer reads finished

@@ -67,7 +67,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     }
     StageStorage& st = smem.stage[at.stage];
     cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
-    prep_chunk_ahead<kGateInKernel, kL2Norm>(p, st, t.chunk_rows(c), gc, prep_tid);
+    prep_chunk_ahead<kGateInKernel, kL2Norm>(st, t.chunk_rows(c), gc, prep_tid);
     cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
   };
   // With prep ahead the warpgroups fetch the next tile at the current one's last chunk (`ahead`)
@@ -91,19 +91,6 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
     const int num_chunks = tile.num_chunks();
-<<<<<<< HEAD
-=======
-
-    // Prep ahead: steps 1-3 of chunk c on its stage (`at`), by both warpgroups, once it is loaded.
-    const int prep_tid = tid + kWarpgroupThreads * half;  // 0..255, feature pair prep_tid % 64
-    [[maybe_unused]] GateConstants gc(p, 1.f, make_float2(0.f, 0.f));
-    const auto prep = [&](const PipelineState& at, int c) {
-      StageStorage& st = smem.stage[at.stage];
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
-      prep_chunk_ahead<kGateInKernel, kL2Norm>(st, tile.chunk_rows(c), gc, prep_tid);
-      cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
-    };
->>>>>>> main
     if constexpr (kPrepAhead) {
       if (num_chunks > 0 && !first_prepped) prep(pipe, tile, 0);
       first_prepped = false;
@@ -124,7 +111,9 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
           }
         }
       }
-      if constexpr (kPrepAhead) timer.mark(6);  // the prep (its wait for the stage's load included)
+      // The prep (its wait for the stage's load included; at a tile's start also the previous
+      // tile's final state store, the next tile's fetch and its initial state load).
+      if constexpr (kPrepAhead) timer.mark(6);
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
       timer.mark(0);
