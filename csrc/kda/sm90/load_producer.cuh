@@ -64,6 +64,15 @@ __device__ __forceinline__ void store_beta(StageStorage& st, float2 b, int lane)
   st.beta[lane + 32] = b.y;
 }
 
+// The eight TMA boxes of a chunk (q, k from the qk head, v, g from the value head) on `bar`.
+__device__ __forceinline__ void issue_tma_boxes(const KdaKernelParams& kp, uint64_t* bar, StageStorage& st,
+                                                const TileInfo& tile, int64_t token) {
+  tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
+  tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
+  tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
+  tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
+}
+
 // Every lane arrives on `full` after its own beta stores (release), so the consumers' wait orders
 // each store directly; lane 0 also sets the TMA byte count and issues the loads of q, k, v, g.
 __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uint64_t& full_bar, StageStorage& st,
@@ -71,10 +80,7 @@ __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uin
   uint64_t* bar = &full_bar;
   if (lane == 0) {
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageTxBytes);
-    tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
-    tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
-    tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
-    tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
+    issue_tma_boxes(kp, bar, st, tile, token);
   } else {
     cutlass::arch::ClusterBarrier::arrive(bar);
   }
@@ -116,8 +122,19 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
 
       const int rows = tile.chunk_rows(c);
       const int64_t token = tile.token0 + int64_t(c) * kChunk;
+      // The TMA boxes first, then beta: the boxes' latency starts at once and beta's global loads
+      // run under it (beta first put its load latency before the boxes' issue). With prep ahead
+      // (chunk_prep.cuh) this reload lies on the state warpgroups' path: they prepare this stage
+      // as soon as it is full. `full` completes once the boxes have landed (expect_tx) and every
+      // lane has arrived after its own beta stores.
+      uint64_t* bar = &smem.full_bar[pipe.stage];
+      if (lane == 0) {
+        cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, kStageTxBytes);
+        issue_tma_boxes(kp, bar, st, tile, token);
+      }
       load_beta(p, st, tile.v_head, token, rows, lane);
-      issue_stage_loads(kp, smem.full_bar[pipe.stage], st, tile, token, lane);
+      cutlass::arch::ClusterBarrier::arrive(bar);
+      __syncwarp();
     }
   }
 }
