@@ -52,25 +52,10 @@ __device__ __forceinline__ void prep_chunk_ahead(const KdaPrefillParams& p, Stag
 
   const int b = tid >> 6, cp = tid & 63, col = 2 * cp, row0 = kSubBlock * b;
   const PairColumn addr(cp);
-  uint32_t gx[kSubBlock], qx[kSubBlock], kx[kSubBlock];
-#pragma unroll
-  for (int ii = 0; ii < kSubBlock; ++ii) {
-    const uint32_t off = addr(row0 + ii);
-    gx[ii] = ld_bf16x2(st.g, off);
-    qx[ii] = ld_bf16x2(st.q, off);
-    kx[ii] = ld_bf16x2(st.k, off);
-  }
+  uint32_t qx[kSubBlock], kx[kSubBlock];
   float G0[kSubBlock], G1[kSubBlock];
-  float cum0 = 0.f, cum1 = 0.f;
-#pragma unroll
-  for (int ii = 0; ii < kSubBlock; ++ii) {
-    float g0, g1;
-    log2_decay_pair<kGateInKernel, Decays::kSafe>(gx[ii], gc, g0, g1);
-    cum0 += g0;
-    cum1 += g1;
-    G0[ii] = cum0;
-    G1[ii] = cum1;
-  }
+  float cum0 = 0.f, cum1 = 0.f;  // from the block's start
+  load_block_cumsum<kGateInKernel, Decays::kSafe>(st, addr, row0, gc, cum0, cum1, qx, kx, G0, G1);
   *reinterpret_cast<float2*>(&totals[b][col]) = make_float2(cum0, cum1);
   store_block_operands</*kGeneral=*/false, kL2Norm>(st, addr, row0, G0, G1, cum0, cum1, cum0, cum1, qx, kx, rnorm);
   named_barrier_sync(bar, kPrepThreads);  // every block's total is written

@@ -275,6 +275,33 @@ __device__ __forceinline__ void log2_decay_pair(uint32_t graw, const GateConstan
   }
 }
 
+// Step 2 (the cumsum) for one 16-row block and the thread's feature pair: loads the rows'
+// raw q, k and gate pairs (all loads first: with one warp per scheduler only independent loads hide
+// latency) and accumulates the log2 decays onto cum0 / cum1, recording G after each row.
+template <bool kGateInKernel, Decays kDecays>
+__device__ __forceinline__ void load_block_cumsum(const StageStorage& st, const PairColumn& addr, int row0,
+                                                  const GateConstants& gc, float& cum0, float& cum1,
+                                                  uint32_t (&qx)[kSubBlock], uint32_t (&kx)[kSubBlock],
+                                                  float (&G0)[kSubBlock], float (&G1)[kSubBlock]) {
+  uint32_t gx[kSubBlock];
+#pragma unroll
+  for (int ii = 0; ii < kSubBlock; ++ii) {
+    const uint32_t off = addr(row0 + ii);
+    gx[ii] = ld_bf16x2(st.g, off);
+    qx[ii] = ld_bf16x2(st.q, off);
+    kx[ii] = ld_bf16x2(st.k, off);
+  }
+#pragma unroll
+  for (int ii = 0; ii < kSubBlock; ++ii) {
+    float g0, g1;
+    log2_decay_pair<kGateInKernel, kDecays>(gx[ii], gc, g0, g1);
+    cum0 += g0;
+    cum1 += g1;
+    G0[ii] = cum0;
+    G1[ii] = cum1;
+  }
+}
+
 // Step 3 for one 16-row block and the thread's feature pair: QE = q e, KE = k e, KT = k f in
 // place over q, k, g, with e = exp2(G - ref) and f = exp2(cum - G). G0/G1: cumulative log2 decays
 // of the block's rows and cum0/cum1 the block end's, both from the same origin; ref = cum unless
@@ -429,25 +456,9 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
   for (int bb = 0; bb < 2; ++bb) {
     const int row0 = 32 * h + kSubBlock * bb;
     const float start0 = cum0, start1 = cum1;  // cumulative decay before the block (half-local)
-    // All loads of the block first (one warp per scheduler: only independent loads hide latency).
-    uint32_t gx[kSubBlock], qx[kSubBlock], kx[kSubBlock];
-#pragma unroll
-    for (int ii = 0; ii < kSubBlock; ++ii) {
-      const uint32_t off = addr(row0 + ii);
-      gx[ii] = ld_bf16x2(st.g, off);
-      qx[ii] = ld_bf16x2(st.q, off);
-      kx[ii] = ld_bf16x2(st.k, off);
-    }
+    uint32_t qx[kSubBlock], kx[kSubBlock];
     float G0[kSubBlock], G1[kSubBlock];
-#pragma unroll
-    for (int ii = 0; ii < kSubBlock; ++ii) {
-      float g0, g1;
-      log2_decay_pair<kGateInKernel, kDecays>(gx[ii], gc, g0, g1);
-      cum0 += g0;
-      cum1 += g1;
-      G0[ii] = cum0;
-      G1[ii] = cum1;
-    }
+    load_block_cumsum<kGateInKernel, kDecays>(st, addr, row0, gc, cum0, cum1, qx, kx, G0, G1);
     rb_local[0][0] = bb == 0 ? cum0 : rb_local[0][0];
     rb_local[0][1] = bb == 0 ? cum1 : rb_local[0][1];
     rb_local[1][0] = cum0;  // the last iteration's values stay
