@@ -27,6 +27,9 @@
 namespace cula::kda::sm90 {
 
 constexpr int kPrepThreads = 2 * kWarpgroupThreads;
+// The stage of chunk c + 1 is the one released after chunk c - 1: with one stage the prep would
+// wait for a release that only follows it; with more, the scheme works but wastes the extra ones.
+static_assert(kStages == 2, "prep ahead assumes the two-stage ring");
 // Scratch offsets in the stage's A_qk tile (bytes).
 constexpr int kPrepRnormOffset = 0;         // float[128]: q rows, then k rows
 constexpr int kPrepRowStatsOffset = 1024;   // float[3][4][64]
@@ -40,8 +43,7 @@ static_assert(kPrepRowStatsOffset >= 128 * 4 && kPrepRowStatsOffset + 3 * 4 * 64
 // gates); the cumulative decays start at each block (not each half) and r_b is the sum of the
 // block totals, so the results agree with the intra-chunk warpgroup's prep to rounding.
 template <bool kGateInKernel, bool kL2Norm>
-__device__ __forceinline__ void prep_chunk_ahead(const KdaPrefillParams& p, StageStorage& st, int rows,
-                                                 const GateConstants& gc, int tid) {
+__device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, int rows, const GateConstants& gc, int tid) {
   constexpr NamedBarrierId bar = NamedBarrierId::kStatePrep;
   float* rnorm = reinterpret_cast<float*>(st.aqk + kPrepRnormOffset);
   float* row_stats = reinterpret_cast<float*>(st.aqk + kPrepRowStatsOffset);

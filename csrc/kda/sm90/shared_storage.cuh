@@ -10,6 +10,7 @@
 //   g      g (bf16)           KT = k*f                               A_qk/A_kk (intra), S update (state)
 //   v      v (bf16)           v             -> U = ((M-I)·β)·v + β·v  u (intra) -> v_new (state)
 //   aqk    -                  A_qk (bf16, masked)                    o (state)
+//          (prep ahead: the prep's scratch until the intra-chunk warpgroup writes A_qk, chunk_prep.cuh)
 //   R      -                  r_b = G at the end of each 16-row block (fp32 [4][128])
 //   beta   beta (fp32, 0 past the sequence end), written by the producer warp
 //

@@ -64,7 +64,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     const auto prep = [&](const PipelineState& at, int c) {
       StageStorage& st = smem.stage[at.stage];
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
-      prep_chunk_ahead<kGateInKernel, kL2Norm>(p, st, tile.chunk_rows(c), gc, prep_tid);
+      prep_chunk_ahead<kGateInKernel, kL2Norm>(st, tile.chunk_rows(c), gc, prep_tid);
       cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
     };
     if constexpr (kPrepAhead) {
