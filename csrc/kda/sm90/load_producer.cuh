@@ -67,8 +67,10 @@ __device__ __forceinline__ void issue_tma_boxes(const KdaKernelParams& kp, uint6
   tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
 }
 
-// Every lane arrives on `full` after its own beta stores (release), so the consumers' wait orders
-// each store directly; lane 0 also sets the TMA byte count and issues the loads of q, k, v, g.
+// A cooperative helper's producer (chunk_workspace.cuh): every lane arrives on `full` after its
+// own beta stores (release), so the consumers' wait orders each store directly; lane 0 also sets
+// the TMA byte count and issues the loads of q, k, v, g. (The fused producer below issues the
+// boxes before storing beta, with the byte count set by expect_tx ahead of every arrival.)
 __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uint64_t& full_bar, StageStorage& st,
                                                   const TileInfo& tile, int64_t token, int lane) {
   uint64_t* bar = &full_bar;
@@ -128,6 +130,9 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
         issue_tma_boxes(kp, bar, st, tile, token);
       }
       store_beta(st, beta, lane);
+      // cutlass's arrive asm has no "memory" clobber: keep the compiler from moving the stores
+      // past it (the arrive's release semantics order them in hardware).
+      asm volatile("" ::: "memory");
       cutlass::arch::ClusterBarrier::arrive(bar);
       __syncwarp();
     }
