@@ -10,8 +10,8 @@
 //   (e) S <- diag(exp2(G_last)) S + (k exp2(G_last - G))^T v_new, block by block in Horner form:
 //         S *= exp2(r_0);  for b: S += KT_b^T v_new_b;  S *= exp2(r_{b+1} - r_b)
 //       (KT_b = k exp2(r_b - G) for the rows of block b, so every factor is <= 1)
-//   (f) o = scale * O -> global
-//   (g) release the stage to the producer.
+//   (g) release the stage to the producer (nothing after it reads the stage), then
+//   (f) o = scale * O -> global.
 #pragma once
 
 #include "kernel_params.cuh"
@@ -250,11 +250,12 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       }
 
       timer.mark(4);
+      // (g) release the stage: nothing below reads it (o leaves from registers through the S
+      // tile), so the producer's reload of this stage (with prep ahead: on this warpgroup's path,
+      // chunk_prep.cuh) runs while the output is stored.
+      cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
       // (f) o -> global (the S tile is free again and serves as staging).
       store_output_tile(p, tile, c, O, s_tile, half, tid, bar);
-
-      // (g) release the stage.
-      cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
       timer.mark(5);
     }
     // The slot again rather than kept in registers across the chunk loop.
