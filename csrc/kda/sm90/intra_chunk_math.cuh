@@ -136,16 +136,16 @@ __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
 // of pairs from different groups are dropped. The factors are running products of the per-token
 // decays d_t = exp2(G_t - G_{t-1}) (one exp2 per element, not one per level). Non-wide features
 // are masked to 0 here: the main A products carry them.
-// Lane: features 2 cp, 2 cp + 1 (cp = tid % 64) of the block's 16 rows (G0/G1: half-local
-// cumulative log2 decays, qx/kx: raw bf16 pairs). Writes the warp's partials (wide_corrections).
+// Lane: features 2 cp, 2 cp + 1 (cp = tid % 64) of the block's 16 rows (G0/G1: cumulative log2
+// decays from any origin, qx/kx: raw bf16 pairs). Writes the warp's partials to corr_qk and
+// corr_kk = corr_qk + 256 (wide_corrections), staging its operands at `stg` (kWideStagingBytes).
 template <bool kL2Norm>
-__device__ __forceinline__ void wide_diagonal_terms(const IntraScratch& ws, StageStorage& st,
-                                                    const float (&G0)[kSubBlock], const float (&G1)[kSubBlock],
-                                                    const uint32_t (&qx)[kSubBlock], const uint32_t (&kx)[kSubBlock],
-                                                    bool w0, bool w1, const float* rnorm, int block, int tid) {
-  const int lane = tid & 31, warp = tid >> 5, g4 = lane >> 2, t4 = lane & 3;
-  float* corr_qk = wide_corrections(ws, block, warp & 1, 0);
-  float* corr_kk = wide_corrections(ws, block, warp & 1, 1);
+__device__ __forceinline__ void wide_diagonal_terms(float* corr_qk, uint32_t stg, const float (&G0)[kSubBlock],
+                                                    const float (&G1)[kSubBlock], const uint32_t (&qx)[kSubBlock],
+                                                    const uint32_t (&kx)[kSubBlock], bool w0, bool w1,
+                                                    const float* rnorm, int block, int tid) {
+  const int lane = tid & 31, g4 = lane >> 2, t4 = lane & 3;
+  float* corr_kk = corr_qk + 256;
   static_assert(kSubBlock == 16, "the exact pass splits 16-row blocks");
   if (!__any_sync(0xffffffffu, w0 || w1)) {  // no wide pair in the warp: its partials are 0
     float4* z = reinterpret_cast<float4*>(corr_qk);  // corr_kk follows corr_qk (512 floats)
@@ -160,7 +160,6 @@ __device__ __forceinline__ void wide_diagonal_terms(const IntraScratch& ws, Stag
     d0[t] = fast_exp2(G0[t] - G0[t - 1]);
     d1[t] = fast_exp2(G1[t] - G1[t - 1]);
   }
-  const uint32_t stg = wide_staging(ws, st, warp);
   const uint32_t st_lane = uint32_t((lane & 3) << 2);  // the lane's 4 bytes in its 16-byte chunk
   const int lm_row = lane & 7, lm_sel = lane >> 3;     // ldmatrix: row within a matrix, matrix
   // The four levels unrolled: with the level known at compile time the row bookkeeping below
@@ -479,7 +478,9 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     }
     store_block_operands<kGeneral, kL2Norm>(st, addr, row0, G0, G1, cum0, cum1, ref0, ref1, qx, kx, rnorm);
     if constexpr (kGeneral) {
-      wide_diagonal_terms<kL2Norm>(ws, st, G0, G1, qx, kx, wide0, wide1, rnorm, 2 * h + bb, tid);
+      const int warp = tid >> 5;
+      wide_diagonal_terms<kL2Norm>(wide_corrections(ws, 2 * h + bb, warp & 1, 0), wide_staging(ws, st, warp), G0, G1,
+                                   qx, kx, wide0, wide1, rnorm, 2 * h + bb, tid);
     }
   }
   // Block-end cumulative decays: the second half adds the first half's total (r_1). General
@@ -642,10 +643,21 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
   float* row_stats = reinterpret_cast<float*>(ws.scratch + kRowStatsOffset);
   float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
     constexpr bool kGeneral = kDecays != Decays::kSafe;
-    static_assert(!kPrepped || !kGeneral, "prep ahead is for safe gates");
     if constexpr (!kPrepped) {
       intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rnorm, row_stats, ws.a_ref, rows,
                                                                gate_scale, gate_bias, tid);
+    } else if constexpr (kGeneral) {
+      // Prepped general gates: each (block, feature)'s factor reference from the block ends and
+      // the wide flags (chunk_prep.cuh): r_b, or r_{b-1} (0 for block 0) for a wide feature.
+#pragma unroll
+      for (int x = tid; x < kNumSubBlocks * kHeadDim / 2; x += 128) {
+        const int b = x >> 6, cp2 = 2 * (x & 63);
+        const uint32_t w = st.wide_pair[b][x & 63];
+        const float2 r = *reinterpret_cast<const float2*>(&st.r_block[b][cp2]);
+        const float2 s0 = b ? *reinterpret_cast<const float2*>(&st.r_block[b - 1][cp2]) : make_float2(0.f, 0.f);
+        *reinterpret_cast<float2*>(&ws.a_ref[b][cp2]) = make_float2(w & 1 ? s0.x : r.x, w & 2 ? s0.y : r.y);
+      }
+      named_barrier_sync(ws.bar, 128);
     }
     timer.mark(1);
 
@@ -670,9 +682,17 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int at = (g4 + 8 * h2) * kSubBlock + 8 * n8 + 2 * t4 + e;
-            corr_qk[n8][h2][e] = wide_corrections(ws, warp, 0, 0)[at] + wide_corrections(ws, warp, 1, 0)[at];
-            corr_kk[n8][h2][e] = wide_corrections(ws, warp, 0, 1)[at] + wide_corrections(ws, warp, 1, 1)[at];
+            if constexpr (kPrepped) {  // summed by the prep, in the A_qk tile (chunk_prep.cuh)
+              const float* corr = reinterpret_cast<const float*>(st.aqk);
+              corr_qk[n8][h2][e] = corr[(warp * 2 + 0) * 256 + at];
+              corr_kk[n8][h2][e] = corr[(warp * 2 + 1) * 256 + at];
+            } else {
+              corr_qk[n8][h2][e] = wide_corrections(ws, warp, 0, 0)[at] + wide_corrections(ws, warp, 1, 0)[at];
+              corr_kk[n8][h2][e] = wide_corrections(ws, warp, 0, 1)[at] + wide_corrections(ws, warp, 1, 1)[at];
+            }
           }
+      // Every warp has read the corrections before A_qk is written over them.
+      if constexpr (kPrepped) named_barrier_sync(ws.bar, 128);
     }
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {

@@ -77,10 +77,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   }
   const bool helper = kHelpers || (kCoop && coop_role.helper);
-  // Prep ahead (chunk_prep.cuh): in the fused kernels with safe gates the state warpgroups run
-  // steps 1-3 of the next chunk, across tile boundaries too. (General gates keep their wide-pair
-  // pass in the intra-chunk warpgroup: its scratch does not fit in a stage.)
-  constexpr bool kPrepAhead = kPass == KernelPass::kFused && kDecays == Decays::kSafe;
+  // Prep ahead (chunk_prep.cuh): in the fused kernels the state warpgroups run steps 1-3 of the
+  // next chunk (general gates: with the exact wide-pair terms), across tile boundaries too.
+  constexpr bool kPrepAhead = kPass == KernelPass::kFused;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
   // __shared__ array itself: a round trip through an integer would hide from the compiler that the
@@ -182,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       asm volatile("griddepcontrol.wait;" ::: "memory");
     } else {
       cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-      run_state_warpgroup<kLongestFirst, kPrepAhead, kGateInKernel, kL2Norm>(kp, smem, half);
+      run_state_warpgroup<kLongestFirst, kPrepAhead, kGateInKernel, kL2Norm, kDecays>(kp, smem, half);
     }
   }
 #endif

@@ -36,9 +36,10 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
 }
 
 // The fused kernel's state warpgroups (the cooperative mode's owners: owner_state_math.cuh).
-// kPrepAhead (safe gates): both warpgroups also run steps 1-3 of the next chunk (of this tile or,
+// kPrepAhead: both warpgroups also run steps 1-3 of the next chunk (of this tile or,
 // at its last chunk, of the next tile) before they wait for the current one (chunk_prep.cuh).
-template <bool kLongestFirst, bool kPrepAhead = false, bool kGateInKernel = false, bool kL2Norm = false>
+template <bool kLongestFirst, bool kPrepAhead = false, bool kGateInKernel = false, bool kL2Norm = false,
+          Decays kDecays = Decays::kSafe>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
@@ -67,7 +68,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     }
     StageStorage& st = smem.stage[at.stage];
     cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
-    prep_chunk_ahead<kGateInKernel, kL2Norm>(st, t.chunk_rows(c), gc, prep_tid);
+    prep_chunk_ahead<kGateInKernel, kL2Norm, kDecays>(st, smem.state_bf16[0], t.chunk_rows(c), gc, prep_tid);
     cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
   };
   // With prep ahead the warpgroups fetch the next tile at the current one's last chunk (`ahead`)
