@@ -126,6 +126,9 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* stat
   }
   // The intra-chunk warpgroup reads QE, KE by ldmatrix and KT by WGMMA (async proxy).
   fence_smem_to_async_proxy();
+  // General gates: every thread is done reading the partials and totals in the state tiles before
+  // either warpgroup writes its S and v_new tiles there for the next chunk.
+  if constexpr (kGeneral) named_barrier_sync(bar, kPrepThreads);
 }
 
 }  // namespace cula::kda::sm90
