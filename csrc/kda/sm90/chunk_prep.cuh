@@ -1,6 +1,6 @@
-// Prep ahead: the state warpgroups of the fused kernel (safe gates) run steps 1-3 of the next
-// chunk (l2 norms, gates, cumsum, QE / KE / KT in place) while the intra-chunk warpgroup runs
-// steps 4-9 of the current one.
+// Prep ahead: the state warpgroups of the fused kernel run steps 1-3 of the next chunk (l2 norms,
+// gates, cumsum, QE / KE / KT in place; general gates: with the exact wide-pair terms) while the
+// intra-chunk warpgroup runs steps 4-9 of the current one.
 //
 // Why: the intra-chunk warpgroup's chain (~23k cycles per chunk, docs/perf-notes.md) is the fused
 // kernel's critical path, and the state warpgroups wait ~70 % of each chunk for it. The stage of
@@ -14,9 +14,11 @@
 //
 // The two state warpgroups (256 threads) share the work: thread (b, cp) = (tid / 64, tid % 64)
 // takes feature pair cp of the 16-row block b, with its cumulative decays from the block's start;
-// the block-end values r_b then add the earlier blocks' totals. The scratch (l2-norm reciprocals,
-// row statistics, block totals) lies in the stage's A_qk tile, which nothing reads between the
-// state warpgroups' use of chunk c - 1 and the intra-chunk warpgroup's step 5 for chunk c + 1.
+// the block-end values r_b then add the earlier blocks' totals. With safe gates the scratch
+// (l2-norm reciprocals, row statistics, block totals) lies in the stage's A_qk tile, which nothing
+// reads between the state warpgroups' use of chunk c - 1 and the intra-chunk warpgroup's step 5
+// for chunk c + 1; with general gates that tile takes the wide-pair terms and the scratch goes to
+// the state warpgroups' own tiles (below).
 #pragma once
 
 #include <cstddef>

@@ -68,8 +68,8 @@ __device__ __forceinline__ IntraScratch intra_scratch_of(SharedStorage& smem, in
 
 // Exact diagonal-block terms of wide features (general gates), per (block, warp of the pair that
 // holds the block's rows, which: 0 A_qk, 1 A_kk): the warp's partial sum over its 64 features,
-// float [4 blocks][2 warps][2][16 i][16 j] = 16 KB in the inverse's operand buffer, which is free
-// from the prep until step 7 (its last reader, the previous chunk's inverse, waited for its
+// float [4 blocks][2 warps][2][16 i][16 j] = 16 KB in the inverse's operand buffer (the
+// intra-chunk warpgroup's own prep; prep ahead: chunk_prep.cuh), which is free from the prep until step 7 (its last reader, the previous chunk's inverse, waited for its
 // WGMMAs). Step 5 adds the two partials in a fixed order (no atomics: deterministic). Every
 // entry j < i is written for every chunk (zeros where the warp has no wide pair); entries j >= i
 // are never written and step 5 discards them by select.
@@ -104,7 +104,8 @@ __device__ __forceinline__ void st_bf16x2(uint8_t* base, uint32_t off, float lo,
 // Staging of the exact pass's tensor-core operands, per warp: 24 rows of the warp's 64 features
 // (bf16, 128 bytes per row, 16-byte chunks XOR-swizzled by row so that ldmatrix is conflict-free):
 // rows 0-7 KX of a level's upper rows, 8-15 QX of the same rows, 16-23 KX of its lower rows.
-// Warps 0, 1 use the stage's A_qk tile and warps 2, 3 the intra scratch past the l2-norm
+// In the intra-chunk warpgroup's own prep (prep ahead: chunk_prep.cuh) warps 0, 1 use the stage's
+// A_qk tile and warps 2, 3 the intra scratch past the l2-norm
 // reciprocals: both are free during the prep (A_qk is written in step 5; the row statistics
 // there are dead once the reciprocals exist).
 constexpr int kWideStagingBytes = 24 * 128;
@@ -566,7 +567,8 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
         if constexpr (kGeneral) {
           // Wide features: their reference is not the block's end. Exact float equality is the
           // test: a_ref and r_block are written from the same expression for a non-wide pair, and
-          // differ by the span (> 100) for a wide one (intra_prepare_operands keeps them so).
+          // differ by the span (> 100) for a wide one (intra_prepare_operands keeps them so; with
+          // prep ahead intra_chunk rebuilds a_ref from r_block and the wide flags alike).
           s0 = rw0 == st.r_block[warp][c0] ? 1.f : 0.f;
           s1 = rw1 == st.r_block[warp][c0 + 1] ? 1.f : 0.f;
           s8 = rw8 == st.r_block[warp][c0 + 8] ? 1.f : 0.f;
@@ -631,8 +633,8 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 // either way), so that the owner's state update is one batch of products instead of four Horner
 // steps (state_math.cuh).
 //
-// kPrepped (the fused kernel with safe gates): steps 1-3 are done already, by the state
-// warpgroups (chunk_prep.cuh); the chain starts at the A products.
+// kPrepped (the fused kernel): steps 1-3 are done already, by the state warpgroups
+// (chunk_prep.cuh); the chain starts at the A products (general gates: after rebuilding a_ref).
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false,
           bool kPrepped = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
@@ -864,7 +866,7 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
 // of one is a latency-bound chain on one warp per scheduler, and a second chain beside it fills
 // the issue slots the first leaves idle. The fused kernel runs one (which = 0).
 //
-// kPrepAhead (fused kernel, safe gates): the state warpgroups prepared each stage (steps 1-3,
+// kPrepAhead (fused kernel): the state warpgroups prepared each stage (steps 1-3,
 // chunk_prep.cuh); the warpgroup waits for that (`prepped`) instead of the load (`full`).
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, Decays kDecays = Decays::kSafe,
           bool kPrepAhead = false>
