@@ -635,8 +635,10 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 //
 // kPrepped (the fused kernel): steps 1-3 are done already, by the state warpgroups
 // (chunk_prep.cuh); the chain starts at the A products (general gates: after rebuilding a_ref).
+//
+// kAqkHalf (shared_storage.cuh: aqk_is_half): A_qk goes to the stage in fp16.
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false,
-          bool kPrepped = false>
+          bool kPrepped = false, bool kAqkHalf = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer) {
   const int warp = tid >> 5, lane = tid & 31;
@@ -716,7 +718,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
           }
           const float q0 = (j < i) ? aqk[bj][r] : 0.f;
           const float q1 = (j + 1 < i) ? aqk[bj][r + 1] : 0.f;
-          *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) = float2_to_bf16x2(q0, q1);
+          *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) =
+              kAqkHalf ? float2_to_half2(q0, q1) : float2_to_bf16x2(q0, q1);
           const float a0 = (j < i) ? akk[bj][r] * bi : 0.f;
           const float a1 = (j + 1 < i) ? akk[bj][r + 1] * bi : 0.f;
           if (bj == warp) {  // transposed: row j of the scratch block is column j of A_d
@@ -920,8 +923,8 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
         }
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kDecays, false, kPrepAhead>(p, ws, st, rows, gate_scale, gate_bias, tid,
-                                                                        timer);
+        intra_chunk<kGateInKernel, kL2Norm, kDecays, false, kPrepAhead, aqk_is_half(kPrepAhead, kL2Norm)>(
+            p, ws, st, rows, gate_scale, gate_bias, tid, timer);
         // Step 9: hand the stage to the state warpgroups.
         fence_smem_to_async_proxy();
         cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);

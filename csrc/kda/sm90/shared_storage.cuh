@@ -69,7 +69,15 @@ struct alignas(1024) StageStorage {
   // Prep ahead with general gates (chunk_prep.cuh): bit 0 / 1 set where feature 2 cp / 2 cp + 1 of
   // block b is wide (its factors referenced to the block's start, not its end).
   uint8_t wide_pair[kNumSubBlocks][kHeadDim / 2];
+  // Fused kernels with the fp16 A_qk (aqk_is_half): each state warpgroup's per-warp max |v_new|.
+  float vnew_max[2][4];
 };
+
+// A_qk in fp16 instead of bf16 (8x finer rounding; o error 3.1 -> 2.9e-3 with v_new's fp16 copy in
+// its product, scripts/error_budget.py) where its range is known: with l2-normalised q and k
+// every |A_qk[i, j]| <= |q_i| |k_j| <= 1. The fused kernels only (prep ahead): their state
+// warpgroups take A_qk v_new in fp16 (state_math.cuh); the cooperative owners keep bf16.
+constexpr bool aqk_is_half(bool prep_ahead, bool l2norm) { return prep_ahead && l2norm; }
 
 // Cooperative mode: the part of a finished stage that the state warpgroups need (q..aqk_diag
 // above, in shared-memory byte layout, swizzle included), copied to and from global memory as

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -99,6 +100,13 @@ __device__ __forceinline__ void wgmma_ss(uint64_t desc_a, uint64_t desc_b, float
                         std::make_index_sequence<N / 2>{});
 }
 
+// D[64 x 64] (+)= A[64 x 16] * B[16 x 64], fp16 operands, both from shared memory.
+template <Major MajorA, Major MajorB>
+__device__ __forceinline__ void wgmma_ss_f16_n64(uint64_t desc_a, uint64_t desc_b, float (&d)[32], bool accumulate) {
+  using Atom = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<MajorA, MajorB>;
+  detail::gmma_ss<Atom>(desc_a, desc_b, d, accumulate ? ScaleOut::One : ScaleOut::Zero, std::make_index_sequence<32>{});
+}
+
 // D[64 x N] (+)= A[64 x 16] (registers, bf16 K-major fragment) * B[16 x N] (shared memory).
 template <int N, Major MajorB>
 __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N / 2], bool accumulate) {
@@ -179,6 +187,15 @@ __device__ __forceinline__ float2 bf16x2_to_float2(uint32_t v) {
 }
 __device__ __forceinline__ uint32_t float2_to_bf16x2(float lo, float hi) {
   __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float2 half2_to_float2(uint32_t v) {
+  __half2 h = *reinterpret_cast<__half2*>(&v);
+  return __half22float2(h);
+}
+__device__ __forceinline__ uint32_t float2_to_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
 }
 

@@ -41,6 +41,7 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
 template <bool kLongestFirst, bool kPrepAhead = false, bool kGateInKernel = false, bool kL2Norm = false,
           Decays kDecays = Decays::kSafe>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
+  constexpr bool kAqkHalf = aqk_is_half(kPrepAhead, kL2Norm);  // A_qk v_new in fp16 (shared_storage.cuh)
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
   const int warp = tid >> 5, lane = tid & 31;
@@ -153,16 +154,60 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
 
       timer.mark(2);
       // (c) v_new = U - P -> bf16 tile [64 rows, 64 columns], MN-major B operand.
+      // kAqkHalf: v_new also in fp16, for A_qk v_new with the fp16 A_qk, over this warpgroup's half
+      // of U in the stage (dead once read here), scaled by 2^-vn_shift so that it stays below 2^15:
+      // fp16 has 3 more mantissa bits than bf16 but overflows at 65504, and nothing bounds v.
+      // The scale is a power of two (exact) and 1 unless some |v_new| of the chunk reaches 2^15.
+      uint8_t* const vn_half = st.v + half * kBoxBytes;
+      [[maybe_unused]] float vn_up = 1.f;  // 2^vn_shift
 #pragma unroll
-      for (int n8 = 0; n8 < 8; ++n8)
+      for (int r = 0; r < 32; ++r) {
+        const int n8 = r >> 2, h2 = (r >> 1) & 1;
+        if (r & 1) continue;
+        const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
+        const float2 u = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off));
+        P[r] = u.x - P[r];  // P holds v_new from here on
+        P[r + 1] = u.y - P[r + 1];
+        *reinterpret_cast<uint32_t*>(vn_tile + off) = float2_to_bf16x2(P[r], P[r + 1]);
+      }
+      if constexpr (kAqkHalf) {
+        float m = 0.f;
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = kSubBlock * warp + g4 + 8 * h2;
-          const uint32_t off = sw128_fragment_offset(i, n8, g4, t4);
-          const float2 u = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(st.v + half * kBoxBytes + off));
-          *reinterpret_cast<uint32_t*>(vn_tile + off) =
-              float2_to_bf16x2(u.x - P[n8 * 4 + h2 * 2], u.y - P[n8 * 4 + h2 * 2 + 1]);
+        for (int r = 0; r < 32; ++r) m = fmaxf(m, fabsf(P[r]));
+#pragma unroll
+        for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+        if (lane == 0) st.vnew_max[half][warp] = m;
+        named_barrier_sync(bar, 128);  // the maxima (and every read of U) are in
+        const float mx = fmaxf(fmaxf(st.vnew_max[half][0], st.vnew_max[half][1]),
+                               fmaxf(st.vnew_max[half][2], st.vnew_max[half][3]));
+        // m in [2^e, 2^(e+1)): shift by e - 14 so that m 2^-shift < 2^15 (no shift below 2^15).
+        const int e = int((__float_as_uint(mx) >> 23) & 0xffu) - 127;
+        const int shift = e > 14 ? (e - 14 < 120 ? e - 14 : 120) : 0;
+        const float down = __uint_as_float(uint32_t(127 - shift) << 23);
+        vn_up = __uint_as_float(uint32_t(127 + shift) << 23);
+#pragma unroll
+        for (int r = 0; r < 32; r += 2) {
+          const int n8 = r >> 2, h2 = (r >> 1) & 1;
+          const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
+          *reinterpret_cast<uint32_t*>(vn_half + off) = float2_to_half2(P[r] * down, P[r + 1] * down);
         }
+        if (shift > 0) {
+          // Rare (some |v_new| >= 2^15): O = QG S + A_qk v_new is computed as 2^-shift of itself,
+          // from S's tile scaled alike (exact powers of two; P = W S has read it), and scaled back
+          // before the store. The thread rescales the elements it wrote in (a).
+#pragma unroll
+          for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+            for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+              for (int h2 = 0; h2 < 2; ++h2) {
+                const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+                uint32_t* x = reinterpret_cast<uint32_t*>(s_tile + sw128_fragment_offset(kk, n8, g4, t4));
+                const float2 sv = bf16x2_to_float2(*x);
+                *x = float2_to_bf16x2(sv.x * down, sv.y * down);
+              }
+        }
+      }
       fence_smem_to_async_proxy();
       named_barrier_sync(bar, 128);
 
@@ -180,10 +225,18 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
         wgmma_ss<64, Major::K, Major::MN>(desc_k_major(qg_base + a_off),
                                           desc_mn_major(s_base + ks * 16 * 128, kBoxBytes), O, true);
       }
+      if constexpr (kAqkHalf) {  // fp16 A_qk and v_new (times 2^-vn_shift, as S's tile)
+        const uint32_t vh_base = smem_u32(vn_half);
 #pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks) {
-        wgmma_ss<64, Major::K, Major::MN>(desc_k_major(aqk_base + ks * 32),
-                                          desc_mn_major(vn_base + ks * 16 * 128, kBoxBytes), O, true);
+        for (int ks = 0; ks < kChunk / 16; ++ks)
+          wgmma_ss_f16_n64<Major::K, Major::MN>(desc_k_major(aqk_base + ks * 32),
+                                                desc_mn_major(vh_base + ks * 16 * 128, kBoxBytes), O, true);
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks) {
+          wgmma_ss<64, Major::K, Major::MN>(desc_k_major(aqk_base + ks * 32),
+                                            desc_mn_major(vn_base + ks * 16 * 128, kBoxBytes), O, true);
+        }
       }
       wgmma_commit();
 
@@ -236,18 +289,24 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       fence_accumulators(S.acc[1]);
       fence_accumulators(O);
 
-      // (d') O += diag(A_qk) v_new, the diagonal in fp32 (the bf16 A_qk tile has zeros there).
+      // (d') O += diag(A_qk) v_new, the diagonal in fp32 (the A_qk tile has zeros there), from the
+      // operand the product took (bf16 v_new, or kAqkHalf: the fp16 v_new', then O *= 2^vn_shift).
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const int i = kSubBlock * warp + g4 + 8 * h2;
         const float d = st.aqk_diag[i];
 #pragma unroll
         for (int n8 = 0; n8 < 8; ++n8) {
-          const float2 vn =
-              bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_tile + sw128_fragment_offset(i, n8, g4, t4)));
+          const uint32_t off = sw128_fragment_offset(i, n8, g4, t4);
+          const float2 vn = kAqkHalf ? half2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off))
+                                     : bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_tile + off));
           O[n8 * 4 + h2 * 2] = fmaf(d, vn.x, O[n8 * 4 + h2 * 2]);
           O[n8 * 4 + h2 * 2 + 1] = fmaf(d, vn.y, O[n8 * 4 + h2 * 2 + 1]);
         }
+      }
+      if (kAqkHalf && vn_up != 1.f) {
+#pragma unroll
+        for (int r = 0; r < 32; ++r) O[r] *= vn_up;
       }
 
       timer.mark(4);
