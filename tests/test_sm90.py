@@ -796,6 +796,22 @@ DETERMINISM = [
 
 
 @gpu_sm90
+@pytest.mark.parametrize("v_scale", [1e3, 1e5], ids=["v1e3", "v1e5"])
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2", "nol2"])
+def test_large_values_fused(v_scale: float, l2norm: bool, seed: int, monkeypatch):
+    """v (and the initial state) far beyond fp16's range: with l2norm the fused kernels take
+    A_qk v_new in fp16, v_new scaled by a power of two once some |v_new| of a chunk reaches 2^15
+    (state_math.cuh); the outputs stay finite and as accurate as at unit scale."""
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE", "0")  # few tiles: the fused kernel, not the cooperative mode
+    spec = Spec(B=2, T=300, H=2, HV=4, l2norm=l2norm)
+    inp = make_inputs(spec)
+    inp["v"] = (inp["v"].float() * v_scale).to(torch.bfloat16)
+    inp["initial_state"] = inp["initial_state"] * v_scale
+    o, fs = run_sm90(inp)
+    compare_to_reference(spec, inp, o, fs, what=f"{spec.id}-v{v_scale:g}")
+
+
+@gpu_sm90
 @pytest.mark.parametrize("spec", [pytest.param(s, id=s.id) for s in DETERMINISM])
 def test_deterministic(spec: Spec, seed: int):
     """Calls on the same inputs give bit-identical o and final_state (another call in between)."""
