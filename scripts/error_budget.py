@@ -32,6 +32,11 @@ Inputs: the benchmark's draws (q, k, v ~ N(0, 1) rounded to bf16, l2norm in the 
 bf16 logits ~ N(0, 1)), B = 1, several heads, no initial state. Usage:
 
     python scripts/error_budget.py [--T 2048] [--heads 4] [--seed 0] [--without bv,vnew_o ...]
+                                   [--fp16 aqk,vnew_o ...]
+
+``--fp16 X,Y``: an extra run of the kernel's configuration with the points X, Y rounded to fp16
+instead of bf16 (3 more mantissa bits; e.g. ``aqk,vnew_o``: A_qk and v_new in fp16 for the product
+A_qk v_new, where l2-normalised q, k bound |A_qk| by 1).
 """
 from __future__ import annotations
 
@@ -54,8 +59,13 @@ C, SB = 64, 16  # chunk, sub-block
 LN2 = math.log(2.0)
 
 
+FP16: set[str] = set()  # points rounded to fp16 instead of bf16 (--fp16)
+
+
 def bf(x: torch.Tensor, name: str, on: frozenset[str]) -> torch.Tensor:
-    return x.to(torch.bfloat16).to(x.dtype) if name in on else x
+    if name not in on:
+        return x
+    return x.to(torch.float16 if name in FP16 else torch.bfloat16).to(x.dtype)
 
 
 def chunked(q, k, v, g_ln, beta, scale: float, on: frozenset[str],
@@ -146,6 +156,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--without", nargs="*", default=[],
                     help="extra runs without a group of points each, e.g. bv,vnew_o")
+    ap.add_argument("--fp16", nargs="*", default=[],
+                    help="extra runs of the kernel's configuration with a group of points in fp16 each, e.g. aqk,vnew_o")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     T, HV, D = args.T, args.heads, 128
@@ -188,6 +200,15 @@ def main() -> int:
         drop = frozenset(group.split(","))
         res = run(frozenset(POINTS) - drop)
         print(f"  all but {group:24s} {res[0]:.2e} / {res[1]:.2e}")
+    if args.fp16:  # the kernel's configuration: U's diagonal in fp32, packed rescale
+        kern = run(frozenset(POINTS), beta_in_m=True, packed=True)
+        print(f"  {'kernel (both of the above)':34s} {kern[0]:.2e} / {kern[1]:.2e}")
+    for group in args.fp16:
+        FP16.clear()
+        FP16.update(group.split(","))
+        res = run(frozenset(POINTS), beta_in_m=True, packed=True)
+        FP16.clear()
+        print(f"  kernel, fp16 at {group:17s} {res[0]:.2e} / {res[1]:.2e}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """The CPU emulation of the kernel's bf16 rounding points (scripts/error_budget.py): without
 rounding it is the exact chunked form; with every point it lands where the GPU kernel measures
 (3.5e-3 / 2.9e-3 relative L2 for o / state, docs/perf-notes.md), and the beta-v variant of U
-removes the largest share."""
+removes the largest share; fp16 A_qk and v_new in their product lower o's error further."""
 
 from __future__ import annotations
 
@@ -44,3 +44,11 @@ def test_emulation_matches_the_recurrence_and_the_kernels_error(seed: int) -> No
     assert 2.5e-3 < full[0] < 4.5e-3 and 2.0e-3 < full[1] < 4.0e-3, full
     beta_u = errors(error_budget.POINTS, beta_in_m=True)
     assert beta_u[0] < full[0] and beta_u[1] < full[1], (beta_u, full)
+    # A_qk and v_new in fp16 for their product (the fused kernels with l2norm): o's error drops,
+    # the state's is untouched (that product does not feed it).
+    error_budget.FP16.update({"aqk", "vnew_o"})
+    try:
+        half = errors(error_budget.POINTS, beta_in_m=True)
+    finally:
+        error_budget.FP16.clear()
+    assert half[0] < 0.97 * beta_u[0] and half[1] == beta_u[1], (half, beta_u)
