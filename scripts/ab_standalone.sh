@@ -16,6 +16,7 @@
 #      ROUNDS (default 2), JOBS (parallel compile jobs per tree, default 16 / number of trees),
 #      ENVS (";"-separated environment settings to cross with the trees, e.g.
 #            "CULA_KDA_COOPERATIVE=0;CULA_KDA_COOPERATIVE=1"; default: one empty setting),
+#      BUILD_ONLY=1 (build the trees and stop: a later call times them on the same machine),
 #      RUN_TIMEOUT (seconds per run, default 60: a run past it is reported as "hung" and that
 #            tree is not run again; every run's result goes to stderr as it comes).
 set -euo pipefail
@@ -55,6 +56,10 @@ for name in "${names[@]}"; do
   [[ -x "${bin[$name]}" ]] || { echo "ab_standalone: $name did not build (build/ab-$name.log)" >&2; exit 1; }
 done
 
+if [[ -n "${BUILD_ONLY:-}" ]]; then  # a build call ahead of the timing call (same machine)
+  echo "ab_standalone: built ${names[*]}"
+  exit 0
+fi
 IFS=';' read -r -a shape_list <<<"$SHAPES"
 IFS=';' read -r -a env_list <<<"${ENVS:- }"
 declare -A times hung
