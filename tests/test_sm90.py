@@ -796,12 +796,13 @@ DETERMINISM = [
 
 
 @gpu_sm90
-@pytest.mark.parametrize("v_scale", [1e3, 1e5], ids=["v1e3", "v1e5"])
+@pytest.mark.parametrize("v_scale", [1e-6, 1e3, 1e5], ids=["v1e-6", "v1e3", "v1e5"])
 @pytest.mark.parametrize("l2norm", [True, False], ids=["l2", "nol2"])
 def test_large_values_fused(v_scale: float, l2norm: bool, seed: int, monkeypatch):
-    """v (and the initial state) far beyond fp16's range: with l2norm the fused kernels take
-    A_qk v_new in fp16, v_new scaled by a power of two once some |v_new| of a chunk reaches 2^15
-    (state_math.cuh); the outputs stay finite and as accurate as at unit scale."""
+    """v (and the initial state) far outside fp16's range (above 65504, below its normals at
+    2^-14): with l2norm the fused kernels take A_qk v_new in fp16, v_new scaled by a power of two
+    when a chunk's max |v_new| lies outside [2^-10, 2^15) (state_math.cuh); the outputs stay
+    finite and as accurate as at unit scale."""
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", "0")  # few tiles: the fused kernel, not the cooperative mode
     spec = Spec(B=2, T=300, H=2, HV=4, l2norm=l2norm)
     inp = make_inputs(spec)

@@ -155,9 +155,10 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       timer.mark(2);
       // (c) v_new = U - P -> bf16 tile [64 rows, 64 columns], MN-major B operand.
       // kAqkHalf: v_new also in fp16, for A_qk v_new with the fp16 A_qk, over this warpgroup's half
-      // of U in the stage (dead once read here), scaled by 2^-vn_shift so that it stays below 2^15:
-      // fp16 has 3 more mantissa bits than bf16 but overflows at 65504, and nothing bounds v.
-      // The scale is a power of two (exact) and 1 unless some |v_new| of the chunk reaches 2^15.
+      // of U in the stage (dead once read here), scaled by 2^-vn_shift to stay in fp16's range:
+      // fp16 has 3 more mantissa bits than bf16 but overflows at 65504 and goes subnormal below
+      // 2^-14, and nothing bounds v. The scale is a power of two (exact) and 1 unless the chunk's
+      // max |v_new| lies outside [2^-10, 2^15).
       uint8_t* const vn_half = st.v + half * kBoxBytes;
       [[maybe_unused]] float vn_up = 1.f;  // 2^vn_shift
 #pragma unroll
@@ -180,9 +181,12 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
         named_barrier_sync(bar, 128);  // the maxima (and every read of U) are in
         const float mx = fmaxf(fmaxf(st.vnew_max[half][0], st.vnew_max[half][1]),
                                fmaxf(st.vnew_max[half][2], st.vnew_max[half][3]));
-        // m in [2^e, 2^(e+1)): shift by e - 14 so that m 2^-shift < 2^15 (no shift below 2^15).
+        // mx in [2^e, 2^(e+1)): outside [2^-10, 2^15) shift by e - 14, so that the max lands in
+        // [2^14, 2^15): below 2^-10, v_new would reach fp16's subnormals (2^-14) and lose digits.
+        // The upward scale is capped at 2^24 (S's tile, scaled alike, stays far from bf16's
+        // range); e is at most 128 (inf), so the downward one at 2^114.
         const int e = int((__float_as_uint(mx) >> 23) & 0xffu) - 127;
-        const int shift = e > 14 ? (e - 14 < 120 ? e - 14 : 120) : 0;
+        const int shift = (e > 14 || e < -10) ? max(e - 14, -24) : 0;
         const float down = __uint_as_float(uint32_t(127 - shift) << 23);
         vn_up = __uint_as_float(uint32_t(127 + shift) << 23);
 #pragma unroll
@@ -191,8 +195,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
           const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
           *reinterpret_cast<uint32_t*>(vn_half + off) = float2_to_half2(P[r] * down, P[r + 1] * down);
         }
-        if (shift > 0) {
-          // Rare (some |v_new| >= 2^15): O = QG S + A_qk v_new is computed as 2^-shift of itself,
+        if (shift != 0) {
+          // Rare (some |v_new| >= 2^15, or all below 2^-10): O = QG S + A_qk v_new is computed as 2^-shift of itself,
           // from S's tile scaled alike (exact powers of two; P = W S has read it), and scaled back
           // before the store. The thread rescales the elements it wrote in (a).
 #pragma unroll
