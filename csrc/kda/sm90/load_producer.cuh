@@ -30,38 +30,24 @@ __device__ __forceinline__ void tma_load_tile(const CUtensorMap* map, uint64_t* 
   }
 }
 
-// beta of row r of the chunk (0 past the sequence end).
-__device__ __forceinline__ float read_beta_row(const KdaPrefillParams& p, int v_head, int64_t token, int rows, int r) {
-  float b = 0.f;
-  if (r < rows) {
-    // beta_token_stride: set by the host (never 0 here), read from parameter space.
-    const int64_t idx = (token + r) * p.beta_token_stride + v_head;
-    b = p.beta_is_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.beta)[idx])
-                       : static_cast<const float*>(p.beta)[idx];
-    // Logits in: sigmoid in fp32. __fdividef (MUFU.RCP + FMUL), not __frcp_rn, whose IEEE
-    // slow path spilled in this 24-register warp (40 -> 52 spill bytes, longest first).
-    // b < -87: 1 + e^-b overflows, the quotient is 0 (sigmoid ~ 0).
-    if (p.beta_sigmoid) b = __fdividef(1.f, 1.f + __expf(-b));
-  }
-  return b;
-}
-
-// beta of the chunk's rows into the stage, one row per lane at a time (the fused kernel's producer).
+// beta of the chunk's rows into the stage (0 past the sequence end), one row per lane at a time.
 __device__ __forceinline__ void load_beta(const KdaPrefillParams& p, StageStorage& st, int v_head, int64_t token,
                                           int rows, int lane) {
 #pragma unroll
-  for (int r = lane; r < kChunk; r += 32) st.beta[r] = read_beta_row(p, v_head, token, rows, r);
-}
-
-// beta of rows lane and lane + 32 into registers: a cooperative helper's producer reads the next
-// chunk's beta before a stage is free for it (CULA_KDA_CLAIM_AHEAD=1), then stores it (store_beta).
-__device__ __forceinline__ float2 read_beta(const KdaPrefillParams& p, int v_head, int64_t token, int rows, int lane) {
-  static_assert(kChunk == 64, "two rows per lane");
-  return make_float2(read_beta_row(p, v_head, token, rows, lane), read_beta_row(p, v_head, token, rows, lane + 32));
-}
-__device__ __forceinline__ void store_beta(StageStorage& st, float2 b, int lane) {
-  st.beta[lane] = b.x;
-  st.beta[lane + 32] = b.y;
+  for (int r = lane; r < kChunk; r += 32) {
+    float b = 0.f;
+    if (r < rows) {
+      // beta_token_stride: set by the host (never 0 here), read from parameter space.
+      const int64_t idx = (token + r) * p.beta_token_stride + v_head;
+      b = p.beta_is_bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.beta)[idx])
+                         : static_cast<const float*>(p.beta)[idx];
+      // Logits in: sigmoid in fp32. __fdividef (MUFU.RCP + FMUL), not __frcp_rn, whose IEEE
+      // slow path spilled in this 24-register warp (40 -> 52 spill bytes, longest first).
+      // b < -87: 1 + e^-b overflows, the quotient is 0 (sigmoid ~ 0).
+      if (p.beta_sigmoid) b = __fdividef(1.f, 1.f + __expf(-b));
+    }
+    st.beta[r] = b;
+  }
 }
 
 // Every lane arrives on `full` after its own beta stores (release), so the consumers' wait orders
@@ -79,19 +65,6 @@ __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uin
     cutlass::arch::ClusterBarrier::arrive(bar);
   }
   __syncwarp();
-}
-
-// The boxes issue_stage_loads will read for a chunk, fetched into L2 ahead of time (lane 0 of a
-// cooperative helper's producer, when it claims a chunk before a stage is free for it): the
-// stage's later loads then come from L2 instead of HBM.
-__device__ __forceinline__ void prefetch_stage_l2(const KdaKernelParams& kp, const TileInfo& tile, int64_t token) {
-#pragma unroll
-  for (int box = 0; box < 2; ++box) {
-    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_q, box * 64, tile.qk_head, int32_t(token));
-    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_k, box * 64, tile.qk_head, int32_t(token));
-    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_v, box * 64, tile.v_head, int32_t(token));
-    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_g, box * 64, tile.v_head, int32_t(token));
-  }
 }
 
 template <bool kLongestFirst>
