@@ -141,16 +141,15 @@ def test_tiles_per_owner_bitwise_one(spec: Spec, seed: int, monkeypatch):
 #: (``CULA_KDA_HELPER_KERNEL=0``). Unset, the host picks the form (one kernel where the owners'
 #: chains bound the launch). The helpers' producer claims its next chunk ahead and the storer
 #: gives a stage back once its copy has read it (``CULA_KDA_EARLY_RELEASE=0``: after the write
-#: has landed); the producer may claim its next chunk ahead (``CULA_KDA_CLAIM_AHEAD=1``).
+#: has landed).
 HELPER_FORMS = {
     "two_kernels": {"CULA_KDA_HELPER_KERNEL": "1"},
     "default": {},
     "one_intra_warpgroup": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_INTRA": "1"},
     "owners_after_helpers": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_OVERLAP_OWNERS": "0"},
     "one_kernel": {"CULA_KDA_HELPER_KERNEL": "0"},
-    "claim_ahead": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_CLAIM_AHEAD": "1"},
     "release_after_write": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_EARLY_RELEASE": "0"},
-    "one_kernel_both": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_CLAIM_AHEAD": "1", "CULA_KDA_EARLY_RELEASE": "0"},
+    "one_kernel_release_after_write": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_EARLY_RELEASE": "0"},
 }
 HELPER_FORM_CASES = [
     pytest.param(varlen("mix", [3000, 1, 0, 64, 65, 130, 2000], H=2, HV=4, h0=True, layout="vk"), None, id="mix"),
@@ -179,7 +178,7 @@ def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, 
     out = {}
     for form, env in HELPER_FORMS.items():
         for name in ("CULA_KDA_HELPER_INTRA", "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_HELPER_KERNEL", "CULA_KDA_TILES_PER_OWNER",
-                     "CULA_KDA_CLAIM_AHEAD", "CULA_KDA_EARLY_RELEASE"):
+                     "CULA_KDA_EARLY_RELEASE"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

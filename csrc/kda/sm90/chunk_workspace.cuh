@@ -142,50 +142,13 @@ __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int p
 // region that helps, on its own tile: an exact round robin, so equal tiles start with equal help
 // (a first draw in proportion spreads 100 helpers over 32 equal tiles 2 to 5 per tile, where the
 // round robin gives 3 or 4; measured 2-6 % slower on such rows, docs/perf-notes.md). When its
-// unit has no chunk left it takes the unit pick_helper_unit draws.
-//
-// By default a chunk is claimed only once a stage is free for it. Claiming ahead
-// (kp.coop.claim_ahead, CULA_KDA_CLAIM_AHEAD=1): the next chunk is claimed, its q, k, v, g boxes
-// fetched into L2 and its beta read into registers while the intra-chunk warpgroups still work,
-// so that once a stage is free only the stage's loads stand between the storer's release and the
-// next chunk's start (ncu: ~25 % of an intra warpgroup's time went to waiting for its stage at B1
-// T8192 H32). Measured within +-3 % on most rows and 7 % slower at B1 T8192 H16 (a chunk claimed
-// ahead waits up to a chunk's time for its stage while an owner may be waiting for it), so it is
-// off. A claimed chunk still always gets worked on: its CTA's stages free up without waiting on
-// any other CTA.
-struct HelperClaim {
-  int unit = -1;      // -1: no chunk left for this CTA
-  int chunk = 0;      // the claimed chunk of the unit's tile
-  WorkTile tile;      // the unit's tile
-  ChunkRange range;   // the unit's chunks
-  int pick = 0;       // draws so far (pick_helper_unit)
-};
-
-// Claims the next chunk into `h` (every lane of the warp returns the same claim): of the current
-// unit while it has one left, else of the units pick_helper_unit draws. false: none left.
-__device__ __forceinline__ bool claim_next_chunk(const KdaKernelParams& kp, HelperClaim& h, bool new_unit) {
-  const int lane = threadIdx.x & 31;
-  const int G = kp.coop.segments;
-  while (h.unit >= 0) {
-    if (new_unit) {
-      h.tile = unit_tile(kp, h.unit);
-      h.range = segment_chunks(G, h.tile.num_chunks(), h.unit % G);
-    }
-    int c = 0;
-    if (lane == 0) c = h.range.begin + atomicAdd(claim_counter(kp, h.unit), 1);
-    h.chunk = __shfl_sync(0xffffffffu, c, 0);
-    if (h.chunk < h.range.end) return true;
-    h.unit = pick_helper_unit(kp, h.pick++);
-    new_unit = true;
-  }
-  return false;
-}
-
+// unit has no chunk left it takes the unit pick_helper_unit draws. A chunk is claimed only once a
+// stage is free for it (claiming ahead, with an L2 prefetch of its boxes, measured no faster and
+// 7 % slower at B1 T8192 H16: docs/perf-notes.md).
 __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
   const int G = kp.coop.segments;
-  const bool ahead = kp.coop.claim_ahead;
   PipelineState pipe;
   if (lane == 0) {  // the mode runs only with tokens, so the descriptors exist
     cute::prefetch_tma_descriptor(&kp.tma_q);
@@ -194,32 +157,32 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
     cute::prefetch_tma_descriptor(&kp.tma_g);
   }
   const int b = int(blockIdx.x);
-  HelperClaim h;
-  h.unit = b >= kp.coop.owners ? (b - kp.coop.owners) % (kp.coop.tiles_per_owner > 1 ? kp.coop.owners : num_units(kp))
-           : G > 1             ? b / (4 * G) * G + (b % (4 * G)) / 4
-                               : b / kp.coop.value_split;
-  bool new_unit = true;
-  for (;; pipe.advance()) {
-    StageStorage& st = smem.stage[pipe.stage];
-    // Claiming ahead, the claim comes first: right after the previous chunk's loads, while the
-    // intra-chunk warpgroups work; otherwise once the stage is free.
-    if (!ahead) cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
-    if (!claim_next_chunk(kp, h, new_unit)) break;  // the stage stays free for the end mark below
-    new_unit = false;
-    const int rows = h.tile.chunk_rows(h.chunk);
-    const int64_t token = h.tile.token0 + int64_t(h.chunk) * kChunk;
-    if (ahead && lane == 0) prefetch_stage_l2(kp, h.tile, token);
-    const float2 beta = read_beta(p, h.tile.v_head, token, rows, lane);
-    if (ahead) cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
-    store_beta(st, beta, lane);
-    if (lane == 0) {
-      st.rows = rows;
-      st.ws_slot = int(first_chunk_slot(h.tile) + h.chunk);
-      st.ws_head = h.tile.v_head;
+  int u = b >= kp.coop.owners ? (b - kp.coop.owners) % (kp.coop.tiles_per_owner > 1 ? kp.coop.owners : num_units(kp))
+          : G > 1             ? b / (4 * G) * G + (b % (4 * G)) / 4
+                              : b / kp.coop.value_split;
+  for (int pick = 0; u >= 0; u = pick_helper_unit(kp, pick++)) {
+    const WorkTile tile = unit_tile(kp, u);
+    const int64_t first = first_chunk_slot(tile);
+    const ChunkRange range = segment_chunks(G, tile.num_chunks(), u % G);
+    for (;; pipe.advance()) {
+      StageStorage& st = smem.stage[pipe.stage];
+      cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+      int c = 0;
+      if (lane == 0) c = range.begin + atomicAdd(claim_counter(kp, u), 1);
+      c = __shfl_sync(0xffffffffu, c, 0);
+      if (c >= range.end) break;  // this stage stays free (its phase is done) for the next unit's chunk
+      const int rows = tile.chunk_rows(c);
+      const int64_t token = tile.token0 + int64_t(c) * kChunk;
+      store_beta(st, read_beta(p, tile.v_head, token, rows, lane), lane);
+      if (lane == 0) {
+        st.rows = rows;
+        st.ws_slot = int(first + c);
+        st.ws_head = tile.v_head;
+      }
+      // The storer's bulk copy (async proxy) reads beta: order these generic stores before it.
+      fence_smem_to_async_proxy();
+      issue_stage_loads(kp, smem.full_bar[pipe.stage], st, tile, token, lane);
     }
-    // The storer's bulk copy (async proxy) reads beta: order these generic stores before it.
-    fence_smem_to_async_proxy();
-    issue_stage_loads(kp, smem.full_bar[pipe.stage], st, h.tile, token, lane);
   }
   // No chunk left: an end mark (rows = -1) in the next stage of each intra warpgroup (the first
   // also stops the storer, which reads the stages in ring order). The second mark's stage is

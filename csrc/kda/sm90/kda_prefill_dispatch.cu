@@ -187,9 +187,7 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
 
   plan.coop.overlap_owners = !env_is("CULA_KDA_OVERLAP_OWNERS", "0");
   // The helpers' storer releases a stage once its copy has read it (=0: after the write has
-  // landed); their producer claims a chunk once a stage is free for it (=1: ahead, with an L2
-  // prefetch; measured no better, docs/perf-notes.md). Same results either way.
-  plan.coop.claim_ahead = env_is("CULA_KDA_CLAIM_AHEAD", "1");
+  // landed; same results).
   plan.coop.early_release = !env_is("CULA_KDA_EARLY_RELEASE", "0");
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
   // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a

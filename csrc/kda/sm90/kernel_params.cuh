@@ -93,10 +93,7 @@ struct CooperativePlan {
   // Launch the owners' kernel with programmatic stream serialization, so that it starts once every
   // helper CTA runs; false: after the helpers' kernel ends (slower, same results).
   bool overlap_owners = true;
-  // Helpers (chunk_workspace.cuh): claim the next chunk (and fetch its boxes into L2, read its
-  // beta) while the current ones are computed (off by default: no faster, docs/perf-notes.md);
-  // release a stage once the storer's copy has read it.
-  bool claim_ahead = false;
+  // Helpers (chunk_workspace.cuh): release a stage once the storer's copy has read it.
   bool early_release = true;
   int* sync = nullptr;         // flags and counters (zeroed per launch)
   float* matrices = nullptr;   // segments: P^T then S_out^T, [tiles x G][128 x 128] fp32 each

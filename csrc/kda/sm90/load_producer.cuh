@@ -46,9 +46,8 @@ __device__ __forceinline__ float read_beta_row(const KdaPrefillParams& p, int v_
   return b;
 }
 
-// beta of rows lane and lane + 32 into registers, read before the wait for a free stage and stored
-// after it (store_beta): by the fused kernel's producer for every chunk, by a cooperative helper's
-// producer when it claims its next chunk ahead (CULA_KDA_CLAIM_AHEAD=1).
+// beta of rows lane and lane + 32 into registers (the fused kernel's producer reads them before its
+// wait for a free stage), and their store into the stage.
 __device__ __forceinline__ float2 read_beta(const KdaPrefillParams& p, int v_head, int64_t token, int rows, int lane) {
   static_assert(kChunk == 64, "two rows per lane");
   return make_float2(read_beta_row(p, v_head, token, rows, lane), read_beta_row(p, v_head, token, rows, lane + 32));
@@ -81,19 +80,6 @@ __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uin
     cutlass::arch::ClusterBarrier::arrive(bar);
   }
   __syncwarp();
-}
-
-// The boxes issue_stage_loads will read for a chunk, fetched into L2 ahead of time (lane 0 of a
-// cooperative helper's producer, when it claims a chunk before a stage is free for it): the
-// stage's later loads then come from L2 instead of HBM.
-__device__ __forceinline__ void prefetch_stage_l2(const KdaKernelParams& kp, const TileInfo& tile, int64_t token) {
-#pragma unroll
-  for (int box = 0; box < 2; ++box) {
-    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_q, box * 64, tile.qk_head, int32_t(token));
-    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_k, box * 64, tile.qk_head, int32_t(token));
-    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_v, box * 64, tile.v_head, int32_t(token));
-    cute::SM90_TMA_LOAD_3D::PREFETCH::copy(&kp.tma_g, box * 64, tile.v_head, int32_t(token));
-  }
 }
 
 template <bool kLongestFirst>
