@@ -120,17 +120,21 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
       timer.mark(0);
 
-      // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], MN-major B operand.
+      // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], MN-major B operand (times `scale`:
+      // 1 here, a power of two in (c)'s rare rescale).
+      const auto write_s_tile = [&](float scale) {
 #pragma unroll
-      for (int mh = 0; mh < 2; ++mh)
+        for (int mh = 0; mh < 2; ++mh)
 #pragma unroll
-        for (int n8 = 0; n8 < 8; ++n8)
+          for (int n8 = 0; n8 < 8; ++n8)
 #pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
-            *reinterpret_cast<uint32_t*>(s_tile + sw128_fragment_offset(kk, n8, g4, t4)) =
-                float2_to_bf16x2(S.acc[mh][n8 * 4 + h2 * 2], S.acc[mh][n8 * 4 + h2 * 2 + 1]);
-          }
+            for (int h2 = 0; h2 < 2; ++h2) {
+              const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+              *reinterpret_cast<uint32_t*>(s_tile + sw128_fragment_offset(kk, n8, g4, t4)) = float2_to_bf16x2(
+                  S.acc[mh][n8 * 4 + h2 * 2] * scale, S.acc[mh][n8 * 4 + h2 * 2 + 1] * scale);
+            }
+      };
+      write_s_tile(1.f);
       fence_smem_to_async_proxy();
       named_barrier_sync(bar, 128);
 
@@ -198,18 +202,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
         if (shift != 0) {
           // Rare (some |v_new| >= 2^15, or all below 2^-10): O = QG S + A_qk v_new is computed as 2^-shift of itself,
           // from S's tile scaled alike (exact powers of two; P = W S has read it), and scaled back
-          // before the store. The thread rescales the elements it wrote in (a).
-#pragma unroll
-          for (int mh = 0; mh < 2; ++mh)
-#pragma unroll
-            for (int n8 = 0; n8 < 8; ++n8)
-#pragma unroll
-              for (int h2 = 0; h2 < 2; ++h2) {
-                const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
-                uint32_t* x = reinterpret_cast<uint32_t*>(s_tile + sw128_fragment_offset(kk, n8, g4, t4));
-                const float2 sv = bf16x2_to_float2(*x);
-                *x = float2_to_bf16x2(sv.x * down, sv.y * down);
-              }
+          // before the store. The thread rewrites the elements it wrote in (a).
+          write_s_tile(down);
         }
       }
       fence_smem_to_async_proxy();
