@@ -1,6 +1,6 @@
-// Prep ahead: the state warpgroups of the fused kernel (safe gates) run steps 1-3 of the next
-// chunk (l2 norms, gates, cumsum, QE / KE / KT in place) while the intra-chunk warpgroup runs
-// steps 4-9 of the current one.
+// Prep ahead: the state warpgroups of the fused kernel run steps 1-3 of the next chunk (l2 norms,
+// gates, cumsum, QE / KE / KT in place; general gates: with the exact wide-pair terms) while the
+// intra-chunk warpgroup runs steps 4-9 of the current one.
 //
 // Why: the intra-chunk warpgroup's chain (~23k cycles per chunk, docs/perf-notes.md) is the fused
 // kernel's critical path, and the state warpgroups wait ~70 % of each chunk for it. The stage of
@@ -14,10 +14,14 @@
 //
 // The two state warpgroups (256 threads) share the work: thread (b, cp) = (tid / 64, tid % 64)
 // takes feature pair cp of the 16-row block b, with its cumulative decays from the block's start;
-// the block-end values r_b then add the earlier blocks' totals. The scratch (l2-norm reciprocals,
-// row statistics, block totals) lies in the stage's A_qk tile, which nothing reads between the
-// state warpgroups' use of chunk c - 1 and the intra-chunk warpgroup's step 5 for chunk c + 1.
+// the block-end values r_b then add the earlier blocks' totals. With safe gates the scratch
+// (l2-norm reciprocals, row statistics, block totals) lies in the stage's A_qk tile, which nothing
+// reads between the state warpgroups' use of chunk c - 1 and the intra-chunk warpgroup's step 5
+// for chunk c + 1; with general gates that tile takes the wide-pair terms and the scratch goes to
+// the state warpgroups' own tiles (below).
 #pragma once
+
+#include <cstddef>
 
 #include "intra_chunk_math.cuh"
 #include "kernel_params.cuh"
@@ -30,24 +34,48 @@ constexpr int kPrepThreads = 2 * kWarpgroupThreads;
 // The stage of chunk c + 1 is the one released after chunk c - 1: with one stage the prep would
 // wait for a release that only follows it; with more, the scheme works but wastes the extra ones.
 static_assert(kStages == 2, "prep ahead assumes the two-stage ring");
-// Scratch offsets in the stage's A_qk tile (bytes).
+// Safe gates: the prep's scratch lies in the stage's A_qk tile (bytes).
 constexpr int kPrepRnormOffset = 0;         // float[128]: q rows, then k rows
 constexpr int kPrepRowStatsOffset = 1024;   // float[3][4][64]
 constexpr int kPrepTotalsOffset = 4096;     // float[4][128]: each block's decay total per feature
 static_assert(kPrepRowStatsOffset >= 128 * 4 && kPrepRowStatsOffset + 3 * 4 * 64 * 4 <= kPrepTotalsOffset &&
                   kPrepTotalsOffset + kNumSubBlocks * kHeadDim * 4 <= kChunk * kChunk * 2,
               "the prep's scratch must fit in the stage's A_qk tile");
+// General gates: the A_qk tile takes the exact wide-pair corrections (float [4 blocks][2][16][16],
+// the two warps of each block summed: A_qk, then A_kk), which the intra-chunk warpgroup reads in
+// step 5 before it writes A_qk there. The scratch, the per-warp partial corrections and the exact
+// pass's per-warp operand staging go to the state warpgroups' own tiles (S and v_new, 48 KB in a
+// row), free between their work on chunk c - 1 and on chunk c (the prep starts with a barrier of
+// both warpgroups).
+constexpr int kPrepPartialsOffset = 0;                                    // float [4][2 warps][2][256]
+constexpr int kPrepStagingOffset = kPrepPartialsOffset + kTileBytes;      // 8 warps x kWideStagingBytes
+constexpr int kPrepGeneralScratchOffset = kPrepStagingOffset + 8 * kWideStagingBytes;
+static_assert(4 * 2 * 2 * 256 * 4 == kTileBytes && 4 * 2 * 256 * 4 == kChunk * kChunk * 2,
+              "partials fill one tile, the summed corrections the A_qk tile");
+static_assert(offsetof(SharedStorage, v_new) == offsetof(SharedStorage, state_bf16) + sizeof(SharedStorage::state_bf16) &&
+                  kPrepGeneralScratchOffset + kPrepTotalsOffset + kNumSubBlocks * kHeadDim * 4 <=
+                      int(sizeof(SharedStorage::state_bf16) + sizeof(SharedStorage::v_new)),
+              "the general prep's scratch must fit in the state warpgroups' tiles");
 
 // Steps 1-3 of one chunk with `rows` valid rows on its loaded stage, by the 256 threads of the two
-// state warpgroups (tid 0..255). Same arithmetic per element as intra_prepare_operands (safe
-// gates); the cumulative decays start at each block (not each half) and r_b is the sum of the
-// block totals, so the results agree with the intra-chunk warpgroup's prep to rounding.
-template <bool kGateInKernel, bool kL2Norm>
-__device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, int rows, const GateConstants& gc, int tid) {
+// state warpgroups (tid 0..255). Same arithmetic per element as intra_prepare_operands; the
+// cumulative decays start at each block (not each half) and r_b is the sum of the block totals,
+// so the results agree with the intra-chunk warpgroup's prep to rounding. General gates also
+// record which (block, feature) pairs are wide (st.wide_pair) and compute their exact
+// diagonal-block terms (wide_diagonal_terms) into the A_qk tile; `state_tiles` is
+// SharedStorage::state_bf16 (with v_new after it).
+template <bool kGateInKernel, bool kL2Norm, Decays kDecays>
+__device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* state_tiles, int rows,
+                                                 const GateConstants& gc, int tid) {
+  constexpr bool kGeneral = kDecays != Decays::kSafe;
   constexpr NamedBarrierId bar = NamedBarrierId::kStatePrep;
-  float* rnorm = reinterpret_cast<float*>(st.aqk + kPrepRnormOffset);
-  float* row_stats = reinterpret_cast<float*>(st.aqk + kPrepRowStatsOffset);
-  float (*totals)[kHeadDim] = reinterpret_cast<float (*)[kHeadDim]>(st.aqk + kPrepTotalsOffset);
+  uint8_t* const scratch = kGeneral ? state_tiles + kPrepGeneralScratchOffset : st.aqk;
+  float* rnorm = reinterpret_cast<float*>(scratch + kPrepRnormOffset);
+  float* row_stats = reinterpret_cast<float*>(scratch + kPrepRowStatsOffset);
+  float (*totals)[kHeadDim] = reinterpret_cast<float (*)[kHeadDim]>(scratch + kPrepTotalsOffset);
+  // General gates: the state tiles are shared by both warpgroups here; each may still be storing
+  // the previous chunk's o through its own.
+  if constexpr (kGeneral) named_barrier_sync(bar, kPrepThreads);
 
   fill_rows_past_end<kGateInKernel, kPrepThreads>(st, rows, bar, tid);
   row_statistics<kL2Norm, kPrepThreads>(st, rnorm, row_stats, rows, bar, tid);
@@ -57,10 +85,26 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, int rows, con
   uint32_t qx[kSubBlock], kx[kSubBlock];
   float G0[kSubBlock], G1[kSubBlock];
   float cum0 = 0.f, cum1 = 0.f;  // from the block's start
-  load_block_cumsum<kGateInKernel, Decays::kSafe>(st, addr, row0, gc, cum0, cum1, qx, kx, G0, G1);
+  load_block_cumsum<kGateInKernel, kDecays>(st, addr, row0, gc, cum0, cum1, qx, kx, G0, G1);
   *reinterpret_cast<float2*>(&totals[b][col]) = make_float2(cum0, cum1);
-  store_block_operands</*kGeneral=*/false, kL2Norm>(st, addr, row0, G0, G1, cum0, cum1, cum0, cum1, qx, kx, rnorm);
-  named_barrier_sync(bar, kPrepThreads);  // every block's total is written
+  // A wide feature (general gates: its decay over the block exceeds kWideSpanLog2) takes its
+  // factors against the block's start (0 here), so that e = exp2(G - 0) <= 1.
+  bool wide0 = false, wide1 = false;
+  if constexpr (kGeneral) {
+    wide0 = -cum0 > kWideSpanLog2;
+    wide1 = -cum1 > kWideSpanLog2;
+    st.wide_pair[b][cp] = uint8_t((wide0 ? 1 : 0) | (wide1 ? 2 : 0));
+  }
+  store_block_operands<kGeneral, kL2Norm>(st, addr, row0, G0, G1, cum0, cum1, wide0 ? 0.f : cum0,
+                                          wide1 ? 0.f : cum1, qx, kx, rnorm);
+  if constexpr (kGeneral) {
+    const int warp = tid >> 5;
+    float* partials = reinterpret_cast<float*>(state_tiles + kPrepPartialsOffset);
+    wide_diagonal_terms<kL2Norm>(partials + ((b * 2 + (warp & 1)) * 2) * 256,
+                                 smem_u32(state_tiles + kPrepStagingOffset + warp * kWideStagingBytes), G0, G1, qx,
+                                 kx, wide0, wide1, rnorm, b, tid);
+  }
+  named_barrier_sync(bar, kPrepThreads);  // every block's total (and partial corrections) is written
   float off0 = 0.f, off1 = 0.f;
 #pragma unroll
   for (int e = 0; e < kNumSubBlocks - 1; ++e) {
@@ -71,8 +115,22 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, int rows, con
     }
   }
   *reinterpret_cast<float2*>(&st.r_block[b][col]) = make_float2(off0 + cum0, off1 + cum1);
+  if constexpr (kGeneral) {
+    // The two warps' partials of each block added in a fixed order (deterministic), as step 5 of
+    // the intra-chunk warpgroup's own prep adds them. Entries j >= i hold whatever was there:
+    // step 5 discards them.
+    const float* partials = reinterpret_cast<const float*>(state_tiles + kPrepPartialsOffset);
+    float* corr = reinterpret_cast<float*>(st.aqk);
+    for (int x = tid; x < kNumSubBlocks * 2 * 256; x += kPrepThreads) {
+      const int blk = x >> 9, which = (x >> 8) & 1, e = x & 255;
+      corr[x] = partials[((blk * 2 + 0) * 2 + which) * 256 + e] + partials[((blk * 2 + 1) * 2 + which) * 256 + e];
+    }
+  }
   // The intra-chunk warpgroup reads QE, KE by ldmatrix and KT by WGMMA (async proxy).
   fence_smem_to_async_proxy();
+  // General gates: every thread is done reading the partials and totals in the state tiles before
+  // either warpgroup writes its S and v_new tiles there for the next chunk.
+  if constexpr (kGeneral) named_barrier_sync(bar, kPrepThreads);
 }
 
 }  // namespace cula::kda::sm90

@@ -68,8 +68,8 @@ __device__ __forceinline__ IntraScratch intra_scratch_of(SharedStorage& smem, in
 
 // Exact diagonal-block terms of wide features (general gates), per (block, warp of the pair that
 // holds the block's rows, which: 0 A_qk, 1 A_kk): the warp's partial sum over its 64 features,
-// float [4 blocks][2 warps][2][16 i][16 j] = 16 KB in the inverse's operand buffer, which is free
-// from the prep until step 7 (its last reader, the previous chunk's inverse, waited for its
+// float [4 blocks][2 warps][2][16 i][16 j] = 16 KB in the inverse's operand buffer (the
+// intra-chunk warpgroup's own prep; prep ahead: chunk_prep.cuh), which is free from the prep until step 7 (its last reader, the previous chunk's inverse, waited for its
 // WGMMAs). Step 5 adds the two partials in a fixed order (no atomics: deterministic). Every
 // entry j < i is written for every chunk (zeros where the warp has no wide pair); entries j >= i
 // are never written and step 5 discards them by select.
@@ -104,7 +104,8 @@ __device__ __forceinline__ void st_bf16x2(uint8_t* base, uint32_t off, float lo,
 // Staging of the exact pass's tensor-core operands, per warp: 24 rows of the warp's 64 features
 // (bf16, 128 bytes per row, 16-byte chunks XOR-swizzled by row so that ldmatrix is conflict-free):
 // rows 0-7 KX of a level's upper rows, 8-15 QX of the same rows, 16-23 KX of its lower rows.
-// Warps 0, 1 use the stage's A_qk tile and warps 2, 3 the intra scratch past the l2-norm
+// In the intra-chunk warpgroup's own prep (prep ahead: chunk_prep.cuh) warps 0, 1 use the stage's
+// A_qk tile and warps 2, 3 the intra scratch past the l2-norm
 // reciprocals: both are free during the prep (A_qk is written in step 5; the row statistics
 // there are dead once the reciprocals exist).
 constexpr int kWideStagingBytes = 24 * 128;
@@ -136,16 +137,16 @@ __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
 // of pairs from different groups are dropped. The factors are running products of the per-token
 // decays d_t = exp2(G_t - G_{t-1}) (one exp2 per element, not one per level). Non-wide features
 // are masked to 0 here: the main A products carry them.
-// Lane: features 2 cp, 2 cp + 1 (cp = tid % 64) of the block's 16 rows (G0/G1: half-local
-// cumulative log2 decays, qx/kx: raw bf16 pairs). Writes the warp's partials (wide_corrections).
+// Lane: features 2 cp, 2 cp + 1 (cp = tid % 64) of the block's 16 rows (G0/G1: cumulative log2
+// decays from any origin, qx/kx: raw bf16 pairs). Writes the warp's partials to corr_qk and
+// corr_kk = corr_qk + 256 (wide_corrections), staging its operands at `stg` (kWideStagingBytes).
 template <bool kL2Norm>
-__device__ __forceinline__ void wide_diagonal_terms(const IntraScratch& ws, StageStorage& st,
-                                                    const float (&G0)[kSubBlock], const float (&G1)[kSubBlock],
-                                                    const uint32_t (&qx)[kSubBlock], const uint32_t (&kx)[kSubBlock],
-                                                    bool w0, bool w1, const float* rnorm, int block, int tid) {
-  const int lane = tid & 31, warp = tid >> 5, g4 = lane >> 2, t4 = lane & 3;
-  float* corr_qk = wide_corrections(ws, block, warp & 1, 0);
-  float* corr_kk = wide_corrections(ws, block, warp & 1, 1);
+__device__ __forceinline__ void wide_diagonal_terms(float* corr_qk, uint32_t stg, const float (&G0)[kSubBlock],
+                                                    const float (&G1)[kSubBlock], const uint32_t (&qx)[kSubBlock],
+                                                    const uint32_t (&kx)[kSubBlock], bool w0, bool w1,
+                                                    const float* rnorm, int block, int tid) {
+  const int lane = tid & 31, g4 = lane >> 2, t4 = lane & 3;
+  float* corr_kk = corr_qk + 256;
   static_assert(kSubBlock == 16, "the exact pass splits 16-row blocks");
   if (!__any_sync(0xffffffffu, w0 || w1)) {  // no wide pair in the warp: its partials are 0
     float4* z = reinterpret_cast<float4*>(corr_qk);  // corr_kk follows corr_qk (512 floats)
@@ -160,7 +161,6 @@ __device__ __forceinline__ void wide_diagonal_terms(const IntraScratch& ws, Stag
     d0[t] = fast_exp2(G0[t] - G0[t - 1]);
     d1[t] = fast_exp2(G1[t] - G1[t - 1]);
   }
-  const uint32_t stg = wide_staging(ws, st, warp);
   const uint32_t st_lane = uint32_t((lane & 3) << 2);  // the lane's 4 bytes in its 16-byte chunk
   const int lm_row = lane & 7, lm_sel = lane >> 3;     // ldmatrix: row within a matrix, matrix
   // The four levels unrolled: with the level known at compile time the row bookkeeping below
@@ -479,7 +479,9 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     }
     store_block_operands<kGeneral, kL2Norm>(st, addr, row0, G0, G1, cum0, cum1, ref0, ref1, qx, kx, rnorm);
     if constexpr (kGeneral) {
-      wide_diagonal_terms<kL2Norm>(ws, st, G0, G1, qx, kx, wide0, wide1, rnorm, 2 * h + bb, tid);
+      const int warp = tid >> 5;
+      wide_diagonal_terms<kL2Norm>(wide_corrections(ws, 2 * h + bb, warp & 1, 0), wide_staging(ws, st, warp), G0, G1,
+                                   qx, kx, wide0, wide1, rnorm, 2 * h + bb, tid);
     }
   }
   // Block-end cumulative decays: the second half adds the first half's total (r_1). General
@@ -565,7 +567,8 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
         if constexpr (kGeneral) {
           // Wide features: their reference is not the block's end. Exact float equality is the
           // test: a_ref and r_block are written from the same expression for a non-wide pair, and
-          // differ by the span (> 100) for a wide one (intra_prepare_operands keeps them so).
+          // differ by the span (> 100) for a wide one (intra_prepare_operands keeps them so; with
+          // prep ahead intra_chunk rebuilds a_ref from r_block and the wide flags alike).
           s0 = rw0 == st.r_block[warp][c0] ? 1.f : 0.f;
           s1 = rw1 == st.r_block[warp][c0 + 1] ? 1.f : 0.f;
           s8 = rw8 == st.r_block[warp][c0 + 8] ? 1.f : 0.f;
@@ -630,8 +633,8 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 // either way), so that the owner's state update is one batch of products instead of four Horner
 // steps (state_math.cuh).
 //
-// kPrepped (the fused kernel with safe gates): steps 1-3 are done already, by the state
-// warpgroups (chunk_prep.cuh); the chain starts at the A products.
+// kPrepped (the fused kernel): steps 1-3 are done already, by the state warpgroups
+// (chunk_prep.cuh); the chain starts at the A products (general gates: after rebuilding a_ref).
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false,
           bool kPrepped = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
@@ -642,10 +645,21 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
   float* row_stats = reinterpret_cast<float*>(ws.scratch + kRowStatsOffset);
   float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
     constexpr bool kGeneral = kDecays != Decays::kSafe;
-    static_assert(!kPrepped || !kGeneral, "prep ahead is for safe gates");
     if constexpr (!kPrepped) {
       intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rnorm, row_stats, ws.a_ref, rows,
                                                                gate_scale, gate_bias, tid);
+    } else if constexpr (kGeneral) {
+      // Prepped general gates: each (block, feature)'s factor reference from the block ends and
+      // the wide flags (chunk_prep.cuh): r_b, or r_{b-1} (0 for block 0) for a wide feature.
+#pragma unroll
+      for (int x = tid; x < kNumSubBlocks * kHeadDim / 2; x += 128) {
+        const int b = x >> 6, cp2 = 2 * (x & 63);
+        const uint32_t w = st.wide_pair[b][x & 63];
+        const float2 r = *reinterpret_cast<const float2*>(&st.r_block[b][cp2]);
+        const float2 s0 = b ? *reinterpret_cast<const float2*>(&st.r_block[b - 1][cp2]) : make_float2(0.f, 0.f);
+        *reinterpret_cast<float2*>(&ws.a_ref[b][cp2]) = make_float2(w & 1 ? s0.x : r.x, w & 2 ? s0.y : r.y);
+      }
+      named_barrier_sync(ws.bar, 128);
     }
     timer.mark(1);
 
@@ -670,9 +684,17 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int at = (g4 + 8 * h2) * kSubBlock + 8 * n8 + 2 * t4 + e;
-            corr_qk[n8][h2][e] = wide_corrections(ws, warp, 0, 0)[at] + wide_corrections(ws, warp, 1, 0)[at];
-            corr_kk[n8][h2][e] = wide_corrections(ws, warp, 0, 1)[at] + wide_corrections(ws, warp, 1, 1)[at];
+            if constexpr (kPrepped) {  // summed by the prep, in the A_qk tile (chunk_prep.cuh)
+              const float* corr = reinterpret_cast<const float*>(st.aqk);
+              corr_qk[n8][h2][e] = corr[(warp * 2 + 0) * 256 + at];
+              corr_kk[n8][h2][e] = corr[(warp * 2 + 1) * 256 + at];
+            } else {
+              corr_qk[n8][h2][e] = wide_corrections(ws, warp, 0, 0)[at] + wide_corrections(ws, warp, 1, 0)[at];
+              corr_kk[n8][h2][e] = wide_corrections(ws, warp, 0, 1)[at] + wide_corrections(ws, warp, 1, 1)[at];
+            }
           }
+      // Every warp has read the corrections before A_qk is written over them.
+      if constexpr (kPrepped) named_barrier_sync(ws.bar, 128);
     }
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
@@ -844,7 +866,7 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
 // of one is a latency-bound chain on one warp per scheduler, and a second chain beside it fills
 // the issue slots the first leaves idle. The fused kernel runs one (which = 0).
 //
-// kPrepAhead (fused kernel, safe gates): the state warpgroups prepared each stage (steps 1-3,
+// kPrepAhead (fused kernel): the state warpgroups prepared each stage (steps 1-3,
 // chunk_prep.cuh); the warpgroup waits for that (`prepped`) instead of the load (`full`).
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, Decays kDecays = Decays::kSafe,
           bool kPrepAhead = false>

@@ -7,8 +7,8 @@
 //
 // Hand-offs are mbarriers per stage: full (TMA -> intra), ready (intra -> state), empty (state ->
 // producer). setmaxnreg moves registers from the producer to the math warpgroups. With prep ahead
-// (index order, safe gates: chunk_prep.cuh) the state warpgroups also run steps 1-3 of chunk c+2
-// (full -> state, then prepped -> intra) before their work on chunk c+1.
+// (safe gates: chunk_prep.cuh) the state warpgroups also run steps 1-3 of chunk c+2 (full ->
+// state, then prepped -> intra) before their work on chunk c+1.
 //
 // The cooperative mode (fewer tiles than SMs; kernel_params.cuh: KernelPass) runs one CTA per SM:
 // in the tile owners (cooperative_role in tile_scheduler.cuh) warpgroup 0's producer reads finished
@@ -77,11 +77,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   }
   const bool helper = kHelpers || (kCoop && coop_role.helper);
-  // Prep ahead (chunk_prep.cuh): in the fused index-order kernels with safe gates the state
-  // warpgroups run steps 1-3 of the next chunk. (Longest first hands out short tiles, whose first
-  // chunk would wait for the previous tile's end; general gates keep their wide-pair pass in the
-  // intra-chunk warpgroup.)
-  constexpr bool kPrepAhead = kPass == KernelPass::kFused && !kLongestFirst && kDecays == Decays::kSafe;
+  // Prep ahead (chunk_prep.cuh): in the fused kernels the state warpgroups run steps 1-3 of the
+  // next chunk (general gates: with the exact wide-pair terms), across tile boundaries too.
+  constexpr bool kPrepAhead = kPass == KernelPass::kFused;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
   // __shared__ array itself: a round trip through an integer would hide from the compiler that the
@@ -183,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       asm volatile("griddepcontrol.wait;" ::: "memory");
     } else {
       cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
-      run_state_warpgroup<kLongestFirst, kPrepAhead, kGateInKernel, kL2Norm>(kp, smem, half);
+      run_state_warpgroup<kLongestFirst, kPrepAhead, kGateInKernel, kL2Norm, kDecays>(kp, smem, half);
     }
   }
 #endif

@@ -46,15 +46,9 @@ __device__ __forceinline__ float read_beta_row(const KdaPrefillParams& p, int v_
   return b;
 }
 
-// beta of the chunk's rows into the stage, one row per lane at a time (the fused kernel's producer).
-__device__ __forceinline__ void load_beta(const KdaPrefillParams& p, StageStorage& st, int v_head, int64_t token,
-                                          int rows, int lane) {
-#pragma unroll
-  for (int r = lane; r < kChunk; r += 32) st.beta[r] = read_beta_row(p, v_head, token, rows, r);
-}
-
-// beta of rows lane and lane + 32 into registers: a cooperative helper's producer reads the next
-// chunk's beta before a stage is free for it (CULA_KDA_CLAIM_AHEAD=1), then stores it (store_beta).
+// beta of rows lane and lane + 32 into registers, read before the wait for a free stage and stored
+// after it (store_beta): by the fused kernel's producer for every chunk, by a cooperative helper's
+// producer when it claims its next chunk ahead (CULA_KDA_CLAIM_AHEAD=1).
 __device__ __forceinline__ float2 read_beta(const KdaPrefillParams& p, int v_head, int64_t token, int rows, int lane) {
   static_assert(kChunk == 64, "two rows per lane");
   return make_float2(read_beta_row(p, v_head, token, rows, lane), read_beta_row(p, v_head, token, rows, lane + 32));
@@ -64,17 +58,25 @@ __device__ __forceinline__ void store_beta(StageStorage& st, float2 b, int lane)
   st.beta[lane + 32] = b.y;
 }
 
-// Every lane arrives on `full` after its own beta stores (release), so the consumers' wait orders
-// each store directly; lane 0 also sets the TMA byte count and issues the loads of q, k, v, g.
+// The eight TMA boxes of a chunk (q, k from the qk head, v, g from the value head) on `bar`.
+__device__ __forceinline__ void issue_tma_boxes(const KdaKernelParams& kp, uint64_t* bar, StageStorage& st,
+                                                const TileInfo& tile, int64_t token) {
+  tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
+  tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
+  tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
+  tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
+}
+
+// A cooperative helper's producer (chunk_workspace.cuh): every lane arrives on `full` after its
+// own beta stores (release), so the consumers' wait orders each store directly; lane 0 also sets
+// the TMA byte count and issues the loads of q, k, v, g. (The fused producer below issues the
+// boxes before storing beta, with the byte count set by expect_tx ahead of every arrival.)
 __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uint64_t& full_bar, StageStorage& st,
                                                   const TileInfo& tile, int64_t token, int lane) {
   uint64_t* bar = &full_bar;
   if (lane == 0) {
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kStageTxBytes);
-    tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
-    tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
-    tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
-    tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
+    issue_tma_boxes(kp, bar, st, tile, token);
   } else {
     cutlass::arch::ClusterBarrier::arrive(bar);
   }
@@ -111,13 +113,28 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
   for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/true>(kp, smem, cursor, tile);) {
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
-      // Wait until both state warpgroups have released this stage (first pass: free).
-      cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
-
       const int rows = tile.chunk_rows(c);
       const int64_t token = tile.token0 + int64_t(c) * kChunk;
-      load_beta(p, st, tile.v_head, token, rows, lane);
-      issue_stage_loads(kp, smem.full_bar[pipe.stage], st, tile, token, lane);
+      // With prep ahead (chunk_prep.cuh) the reload of a released stage lies on the state
+      // warpgroups' path (they prepare the stage as soon as it is full), so nothing but the TMA
+      // boxes' own latency is left between the release and `full`: beta is read into registers
+      // before the wait (its global-load latency runs under it), the boxes go out right after
+      // it, and beta's stores follow them. `full` completes once the boxes have landed
+      // (expect_tx) and every lane has arrived after its own beta stores.
+      const float2 beta = read_beta(p, tile.v_head, token, rows, lane);
+      // Wait until both state warpgroups have released this stage (first pass: free).
+      cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+      uint64_t* bar = &smem.full_bar[pipe.stage];
+      if (lane == 0) {
+        cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, kStageTxBytes);
+        issue_tma_boxes(kp, bar, st, tile, token);
+      }
+      store_beta(st, beta, lane);
+      // cutlass's arrive asm has no "memory" clobber: keep the compiler from moving the stores
+      // past it (the arrive's release semantics order them in hardware).
+      asm volatile("" ::: "memory");
+      cutlass::arch::ClusterBarrier::arrive(bar);
+      __syncwarp();
     }
   }
 }

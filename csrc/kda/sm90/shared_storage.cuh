@@ -66,6 +66,9 @@ struct alignas(1024) StageStorage {
   int rows;     // valid rows of the chunk (1..64), or -1: no chunk left for this CTA
   int ws_slot;  // the chunk's workspace slot within its value head
   int ws_head;  // and that value head
+  // Prep ahead with general gates (chunk_prep.cuh): bit 0 / 1 set where feature 2 cp / 2 cp + 1 of
+  // block b is wide (its factors referenced to the block's start, not its end).
+  uint8_t wide_pair[kNumSubBlocks][kHeadDim / 2];
 };
 
 // Cooperative mode: the part of a finished stage that the state warpgroups need (q..aqk_diag

@@ -10,8 +10,8 @@
 //   (e) S <- diag(exp2(G_last)) S + (k exp2(G_last - G))^T v_new, block by block in Horner form:
 //         S *= exp2(r_0);  for b: S += KT_b^T v_new_b;  S *= exp2(r_{b+1} - r_b)
 //       (KT_b = k exp2(r_b - G) for the rows of block b, so every factor is <= 1)
-//   (f) o = scale * O -> global
-//   (g) release the stage to the producer.
+//   (g) release the stage to the producer (nothing after it reads the stage), then
+//   (f) o = scale * O -> global.
 #pragma once
 
 #include "kernel_params.cuh"
@@ -36,9 +36,10 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
 }
 
 // The fused kernel's state warpgroups (the cooperative mode's owners: owner_state_math.cuh).
-// kPrepAhead (safe gates): both warpgroups also run steps 1-3 of each tile's next chunk before
-// they wait for the current one (chunk_prep.cuh).
-template <bool kLongestFirst, bool kPrepAhead = false, bool kGateInKernel = false, bool kL2Norm = false>
+// kPrepAhead: both warpgroups also run steps 1-3 of the next chunk (of this tile or,
+// at its last chunk, of the next tile) before they wait for the current one (chunk_prep.cuh).
+template <bool kLongestFirst, bool kPrepAhead = false, bool kGateInKernel = false, bool kL2Norm = false,
+          Decays kDecays = Decays::kSafe>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
@@ -52,37 +53,68 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   PhaseTimer timer;
   timer.start();
 
+  // Prep ahead: steps 1-3 of chunk c of tile t on its stage (`at`), by both warpgroups, once it is
+  // loaded. The gate constants follow the tile being prepared (the next tile's, at a tile's end).
+  const int prep_tid = tid + kWarpgroupThreads * half;  // 0..255, feature pair prep_tid % 64
+  [[maybe_unused]] GateConstants gc(p, 1.f, make_float2(0.f, 0.f));
+  [[maybe_unused]] int gc_head = -1;
+  const auto prep = [&](const PipelineState& at, const WorkTile& t, int c) {
+    if (t.v_head != gc_head) {
+      float gate_scale;
+      float2 gate_bias;
+      gate_parameters<kGateInKernel>(p, t.v_head, prep_tid, gate_scale, gate_bias);
+      gc = GateConstants(p, gate_scale, gate_bias);
+      gc_head = t.v_head;
+    }
+    StageStorage& st = smem.stage[at.stage];
+    cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
+    prep_chunk_ahead<kGateInKernel, kL2Norm, kDecays>(st, smem.state_bf16[0], t.chunk_rows(c), gc, prep_tid);
+    cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
+  };
+  // With prep ahead the warpgroups fetch the next tile at the current one's last chunk (`ahead`)
+  // and prepare its first chunk there, so that a tile's start (many short tiles under the
+  // longest-first schedule) does not wait for a prep. The producer announces that tile once it has
+  // issued the loads of this tile's last chunk, which the prep of that chunk waited for.
   TileCursor cursor;
-  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
+  [[maybe_unused]] WorkTile ahead;
+  [[maybe_unused]] bool ahead_fetched = false, have_ahead = false, first_prepped = false;
+  const auto take_tile = [&](WorkTile& tile) {
+    if constexpr (kPrepAhead) {
+      if (ahead_fetched) {
+        ahead_fetched = false;
+        tile = ahead;
+        return have_ahead;
+      }
+    }
+    return next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);
+  };
+  for (WorkTile tile; take_tile(tile);) {
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
     const int num_chunks = tile.num_chunks();
-
-    // Prep ahead: steps 1-3 of chunk c on its stage (`at`), by both warpgroups, once it is loaded.
-    const int prep_tid = tid + kWarpgroupThreads * half;  // 0..255, feature pair prep_tid % 64
-    [[maybe_unused]] GateConstants gc(p, 1.f, make_float2(0.f, 0.f));
-    const auto prep = [&](const PipelineState& at, int c) {
-      StageStorage& st = smem.stage[at.stage];
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
-      prep_chunk_ahead<kGateInKernel, kL2Norm>(st, tile.chunk_rows(c), gc, prep_tid);
-      cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
-    };
     if constexpr (kPrepAhead) {
-      float gate_scale;
-      float2 gate_bias;
-      gate_parameters<kGateInKernel>(p, tile.v_head, prep_tid, gate_scale, gate_bias);
-      gc = GateConstants(p, gate_scale, gate_bias);
-      if (num_chunks > 0) prep(pipe, 0);
+      if (num_chunks > 0 && !first_prepped) prep(pipe, tile, 0);
+      first_prepped = false;
     }
 
     for (int c = 0; c < num_chunks; ++c, pipe.advance()) {
       if constexpr (kPrepAhead) {
-        if (c + 1 < num_chunks) {  // its stage was released after chunk c - 1
-          PipelineState next = pipe;
-          next.advance();
-          prep(next, c + 1);
+        PipelineState next = pipe;  // the stage released after chunk c - 1
+        next.advance();
+        if (c + 1 < num_chunks) {
+          prep(next, tile, c + 1);
+        } else {
+          have_ahead = next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, ahead);
+          ahead_fetched = true;
+          if (have_ahead && ahead.num_chunks() > 0) {
+            prep(next, ahead, 0);
+            first_prepped = true;
+          }
         }
       }
+      // The prep (its wait for the stage's load included; at a tile's start also the previous
+      // tile's final state store, the next tile's fetch and its initial state load).
+      if constexpr (kPrepAhead) timer.mark(6);
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
       timer.mark(0);
@@ -219,18 +251,19 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       }
 
       timer.mark(4);
+      // (g) release the stage: nothing below reads it (o leaves from registers through the S
+      // tile), so the producer's reload of this stage (with prep ahead: on this warpgroup's path,
+      // chunk_prep.cuh) runs while the output is stored.
+      cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
       // (f) o -> global (the S tile is free again and serves as staging).
       store_output_tile(p, tile, c, O, s_tile, half, tid, bar);
-
-      // (g) release the stage.
-      cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
       timer.mark(5);
     }
     // The slot again rather than kept in registers across the chunk loop.
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
   }
   zero_uncovered_rows(p, int(blockIdx.x), tid + 128 * half, int(gridDim.x));
-  timer.report(half ? "state1: wait s2smem P vnew O+S store" : "state0: wait s2smem P vnew O+S store", tid);
+  timer.report(half ? "state1: wait s2smem P vnew O+S store prep" : "state0: wait s2smem P vnew O+S store prep", tid);
 }
 
 }  // namespace cula::kda::sm90
