@@ -230,6 +230,18 @@ __device__ __forceinline__ void named_barrier_sync(NamedBarrierId id, uint32_t n
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
 }
 
+// named_barrier_sync that also tells every participating thread whether `pred` held in any of
+// them (bar.red.or: the same wait and memory ordering as bar.sync, plus a one-bit reduction).
+__device__ __forceinline__ bool named_barrier_sync_any(NamedBarrierId id, uint32_t num_threads, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(pred)), "r"(static_cast<uint32_t>(id)), "r"(num_threads)
+      : "memory");
+  return any != 0;
+}
+
 // Make generic-proxy shared-memory writes visible to the async proxy (WGMMA, TMA).
 __device__ __forceinline__ void fence_smem_to_async_proxy() { cutlass::arch::fence_view_async_shared(); }
 

@@ -159,55 +159,66 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       timer.mark(2);
       // (c) v_new = U - P -> bf16 tile [64 rows, 64 columns], MN-major B operand.
       // kAqkHalf: v_new also in fp16, for A_qk v_new with the fp16 A_qk, over this warpgroup's half
-      // of U in the stage (dead once read here), scaled by 2^-vn_shift to stay in fp16's range:
-      // fp16 has 3 more mantissa bits than bf16 but overflows at 65504 and goes subnormal below
-      // 2^-14, and nothing bounds v. The scale is a power of two (exact) and 1 unless the chunk's
-      // max |v_new| lies outside [2^-10, 2^15).
+      // of U in the stage (each thread writes exactly the elements it read, so no other thread's
+      // read is overtaken). fp16 has 3 more mantissa bits than bf16 but overflows at 65504 and goes
+      // subnormal below 2^-14, and nothing bounds v: the copy is written unscaled, and the
+      // barrier below also reports whether any thread saw a value it cannot hold well (a nonzero
+      // max |v_new| of its own outside [2^-10, 2^15); zero rows past a sequence's end do not count).
+      // Only then (rare) does the warpgroup take the chunk's exact max and, where it lies outside
+      // that range, rewrite the copy scaled by 2^-vn_shift (a power of two, exact).
       uint8_t* const vn_half = st.v + half * kBoxBytes;
       [[maybe_unused]] float vn_up = 1.f;  // 2^vn_shift
+      [[maybe_unused]] float m = 0.f;      // this thread's max |v_new|
 #pragma unroll
-      for (int r = 0; r < 32; ++r) {
+      for (int r = 0; r < 32; r += 2) {
         const int n8 = r >> 2, h2 = (r >> 1) & 1;
-        if (r & 1) continue;
         const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
         const float2 u = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off));
         P[r] = u.x - P[r];  // P holds v_new from here on
         P[r + 1] = u.y - P[r + 1];
         *reinterpret_cast<uint32_t*>(vn_tile + off) = float2_to_bf16x2(P[r], P[r + 1]);
-      }
-      if constexpr (kAqkHalf) {
-        float m = 0.f;
-#pragma unroll
-        for (int r = 0; r < 32; ++r) m = fmaxf(m, fabsf(P[r]));
-#pragma unroll
-        for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
-        if (lane == 0) st.vnew_max[half][warp] = m;
-        named_barrier_sync(bar, 128);  // the maxima (and every read of U) are in
-        const float mx = fmaxf(fmaxf(st.vnew_max[half][0], st.vnew_max[half][1]),
-                               fmaxf(st.vnew_max[half][2], st.vnew_max[half][3]));
-        // mx in [2^e, 2^(e+1)): outside [2^-10, 2^15) shift by e - 14, so that the max lands in
-        // [2^14, 2^15): below 2^-10, v_new would reach fp16's subnormals (2^-14) and lose digits.
-        // The upward scale is capped at 2^24 (S's tile, scaled alike, stays far from bf16's
-        // range); e is at most 128 (inf), so the downward one at 2^114.
-        const int e = int((__float_as_uint(mx) >> 23) & 0xffu) - 127;
-        const int shift = (e > 14 || e < -10) ? max(e - 14, -24) : 0;
-        const float down = __uint_as_float(uint32_t(127 - shift) << 23);
-        vn_up = __uint_as_float(uint32_t(127 + shift) << 23);
-#pragma unroll
-        for (int r = 0; r < 32; r += 2) {
-          const int n8 = r >> 2, h2 = (r >> 1) & 1;
-          const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
-          *reinterpret_cast<uint32_t*>(vn_half + off) = float2_to_half2(P[r] * down, P[r + 1] * down);
-        }
-        if (shift != 0) {
-          // Rare (some |v_new| >= 2^15, or all below 2^-10): O = QG S + A_qk v_new is computed as 2^-shift of itself,
-          // from S's tile scaled alike (exact powers of two; P = W S has read it), and scaled back
-          // before the store. The thread rewrites the elements it wrote in (a).
-          write_s_tile(down);
+        if constexpr (kAqkHalf) {
+          *reinterpret_cast<uint32_t*>(vn_half + off) = float2_to_half2(P[r], P[r + 1]);
+          m = fmaxf(m, fmaxf(fabsf(P[r]), fabsf(P[r + 1])));
         }
       }
       fence_smem_to_async_proxy();
-      named_barrier_sync(bar, 128);
+      if constexpr (kAqkHalf) {
+        const bool out_of_range = m >= 32768.f || (m > 0.f && m < 0x1p-10f);
+        if (named_barrier_sync_any(bar, 128, out_of_range)) {  // uniform over the warpgroup
+#pragma unroll
+          for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+          if (lane == 0) st.vnew_max[half][warp] = m;
+          named_barrier_sync(bar, 128);
+          const float mx = fmaxf(fmaxf(st.vnew_max[half][0], st.vnew_max[half][1]),
+                                 fmaxf(st.vnew_max[half][2], st.vnew_max[half][3]));
+          // mx in [2^e, 2^(e+1)): outside [2^-10, 2^15) shift by e - 14, so that the max lands in
+          // [2^14, 2^15): below 2^-10, v_new would reach fp16's subnormals (2^-14) and lose digits.
+          // The upward scale is capped at 2^24 (S's tile, scaled alike, stays far from bf16's
+          // range); e is at most 128 (inf), so the downward one at 2^114.
+          const int e = int((__float_as_uint(mx) >> 23) & 0xffu) - 127;
+          const int shift = (e > 14 || e < -10) ? max(e - 14, -24) : 0;
+          if (shift != 0) {
+            // O = QG S + A_qk v_new is computed as 2^-shift of itself, from S's tile scaled alike
+            // (P = W S has read it), and scaled back before the store. Each thread rewrites the
+            // elements it wrote in (a) and above.
+            const float down = __uint_as_float(uint32_t(127 - shift) << 23);
+            vn_up = __uint_as_float(uint32_t(127 + shift) << 23);
+#pragma unroll
+            for (int r = 0; r < 32; r += 2) {
+              const int n8 = r >> 2, h2 = (r >> 1) & 1;
+              const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
+              *reinterpret_cast<uint32_t*>(vn_half + off) = float2_to_half2(P[r] * down, P[r + 1] * down);
+            }
+            write_s_tile(down);
+            fence_smem_to_async_proxy();
+          }
+          // The rewrites are in, and every thread has read the maxima before the next chunk's.
+          named_barrier_sync(bar, 128);
+        }
+      } else {
+        named_barrier_sync(bar, 128);
+      }
 
       timer.mark(3);
       // (d) O = QG S + A_qk v_new (runs while the state update below is issued).
