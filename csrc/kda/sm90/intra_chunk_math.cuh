@@ -923,7 +923,8 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
         }
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kDecays, false, kPrepAhead, aqk_is_half(kPrepAhead, kL2Norm)>(
+        intra_chunk<kGateInKernel, kL2Norm, kDecays, false, kPrepAhead,
+                    aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst)>(
             p, ws, st, rows, gate_scale, gate_bias, tid, timer);
         // Step 9: hand the stage to the state warpgroups.
         fence_smem_to_async_proxy();

@@ -74,10 +74,15 @@ struct alignas(1024) StageStorage {
 };
 
 // A_qk in fp16 instead of bf16 (8x finer rounding; o error 3.1 -> 2.9e-3 with v_new's fp16 copy in
-// its product, scripts/error_budget.py) where its range is known: with l2-normalised q and k
-// every |A_qk[i, j]| <= |q_i| |k_j| <= 1. The fused kernels only (prep ahead): their state
-// warpgroups take A_qk v_new in fp16 (state_math.cuh); the cooperative owners keep bf16.
-constexpr bool aqk_is_half(bool prep_ahead, bool l2norm) { return prep_ahead && l2norm; }
+// its product: scripts/error_budget.py, and measured on the index rows of the benchmark) where its
+// range is known: with l2-normalised q and k every |A_qk[i, j]| <= |q_i| |k_j| <= 1. The fused
+// index-order kernels only: their state warpgroups take A_qk v_new in fp16 (state_math.cuh).
+// The cooperative owners keep bf16, and so do the longest-first kernels: there the fp16 path
+// measured 15-19 % slower on many short tiles (B=100 T=128 H=64, docs/perf-notes.md), for a
+// cause not yet found (the extra barrier of its first version was not it).
+constexpr bool aqk_is_half(bool prep_ahead, bool l2norm, bool longest_first) {
+  return prep_ahead && l2norm && !longest_first;
+}
 
 // Cooperative mode: the part of a finished stage that the state warpgroups need (q..aqk_diag
 // above, in shared-memory byte layout, swizzle included), copied to and from global memory as

@@ -41,7 +41,8 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
 template <bool kLongestFirst, bool kPrepAhead = false, bool kGateInKernel = false, bool kL2Norm = false,
           Decays kDecays = Decays::kSafe>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
-  constexpr bool kAqkHalf = aqk_is_half(kPrepAhead, kL2Norm);  // A_qk v_new in fp16 (shared_storage.cuh)
+  // A_qk v_new in fp16 (shared_storage.cuh).
+  constexpr bool kAqkHalf = aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst);
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
   const int warp = tid >> 5, lane = tid & 31;
