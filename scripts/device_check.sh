@@ -189,7 +189,7 @@ if [[ "${SKIP_SANITIZER:-0}" == 1 ]]; then
   record sanitize skipped 0
 else
   stage_begin "compute-sanitizer"
-  OUT="$OUT" PYTHON="$PY" bash scripts/sanitizer_check.sh 2>&1 | tee "$OUT/sanitizer.log"
+  OUT="$OUT" PYTHON="$PY" COMMIT="$COMMIT_ID" bash scripts/sanitizer_check.sh 2>&1 | tee "$OUT/sanitizer.log"
   rc=${PIPESTATUS[0]}
   if ((rc == 0)); then
     record sanitize ok $((SECONDS - S0)) "$(tail -1 "$OUT/sanitizer.log")"
@@ -206,11 +206,11 @@ elif [[ ! -f benchmarks/bench_kda_prefill.py ]]; then
 else
   stage_begin bench
   # shellcheck disable=SC2086
-  $PY benchmarks/bench_kda_prefill.py ${BENCH_ARGS:---quick} --json "$OUT/bench.json" --md "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 |
+  COMMIT="$COMMIT_ID" $PY benchmarks/bench_kda_prefill.py ${BENCH_ARGS:---quick} --json "$OUT/bench.json" --md "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 |
     tee "$OUT/bench.log"
   rc=${PIPESTATUS[0]}
   # The serving row (pooled vs plain vs gather + scatter): a few seconds.
-  $PY benchmarks/bench_serving.py --json "$OUT/bench_serving.json" --md "$OUT/bench_serving.md" 2>&1 |
+  COMMIT="$COMMIT_ID" $PY benchmarks/bench_serving.py --json "$OUT/bench_serving.json" --md "$OUT/bench_serving.md" 2>&1 |
     tee -a "$OUT/bench.log"
   rc_serving=${PIPESTATUS[0]}
   if ((rc == 0 && rc_serving == 0)); then

@@ -49,7 +49,8 @@ if [[ "${SANITIZER_KEEP_CACHING:-0}" != "1" ]]; then
 fi
 
 echo "sanitizer_check: $("$SANITIZER" --version 2>&1 | grep -i version | head -n 1)"
-echo "sanitizer_check: commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)," \
+# COMMIT (as for the benchmark) names the commit where the checkout's git metadata cannot.
+echo "sanitizer_check: commit ${COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}," \
      "caching allocator $([[ -n "${PYTORCH_NO_CUDA_MEMORY_CACHING:-}" ]] && echo off || echo on)"
 
 status=0

@@ -193,10 +193,10 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
           named_barrier_sync(bar, 128);
           const float mx = fmaxf(fmaxf(st.vnew_max[half][0], st.vnew_max[half][1]),
                                  fmaxf(st.vnew_max[half][2], st.vnew_max[half][3]));
-          // mx in [2^e, 2^(e+1)): outside [2^-10, 2^15) shift by e - 14, so that the max lands in
-          // [2^14, 2^15): below 2^-10, v_new would reach fp16's subnormals (2^-14) and lose digits.
-          // The upward scale is capped at 2^24 (S's tile, scaled alike, stays far from bf16's
-          // range); e is at most 128 (inf), so the downward one at 2^114.
+          // mx in [2^e, 2^(e+1)): at or above 2^15 scale down by 2^(e - 14), so that the max lands
+          // in [2^14, 2^15) (e is at most 128, inf: at most 2^114); below 2^-10, where v_new would
+          // reach fp16's subnormals (2^-14) and lose digits, scale up by 2^24 (e - 14 <= -25
+          // there, so the cap always applies: S's tile, scaled alike, stays far from bf16's range).
           const int e = int((__float_as_uint(mx) >> 23) & 0xffu) - 127;
           const int shift = (e > 14 || e < -10) ? max(e - 14, -24) : 0;
           if (shift != 0) {
