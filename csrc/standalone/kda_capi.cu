@@ -37,6 +37,8 @@ extern "C" int cula_kda_prefill_sm90(const void* q, const void* k, const void* v
   p.cu_seqlens_is_int64 = flags & CULA_KDA_CU_SEQLENS_INT64;
   p.state_vk = flags & CULA_KDA_STATE_VK;
   p.beta_sigmoid = flags & CULA_KDA_BETA_SIGMOID;
+  p.gate_softplus = (flags & CULA_KDA_GATE_SOFTPLUS) && p.use_gate_in_kernel;
+  p.general_gates = p.gate_softplus;
   // Cooperative mode (few tiles): a stream-ordered workspace for this call.
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const size_t bytes = cula::kda::kda_prefill_sm90_workspace_bytes(p);

@@ -12,6 +12,9 @@ enum {
   CULA_KDA_CU_SEQLENS_INT64 = 8,
   CULA_KDA_STATE_VK = 16,
   CULA_KDA_BETA_SIGMOID = 32,  // beta holds logits: the kernel applies the sigmoid
+  // With CULA_KDA_GATE_IN_KERNEL: the softplus gate -exp(A_log) softplus(g + dt_bias) on the
+  // general-gate path (safe_gate=False; lower_bound is ignored).
+  CULA_KDA_GATE_SOFTPLUS = 64,
 };
 
 int cula_kda_prefill_sm90(const void* q, const void* k, const void* v, const void* g, const void* beta,

@@ -3,6 +3,8 @@
 // beta); checks that every output element is written and finite and that two runs are
 // bit-identical, then times the kernel with CUDA events.
 //   usage: kda_standalone [B T H HV [iters]]
+// CULA_STANDALONE_GATE=softplus: Kimi-Linear's softplus gate on the general-gate path instead,
+// drawn as the benchmark draws it (A_log ~ N(0, 1), g ~ 2 N(0, 1)), no lower bound.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -34,18 +36,18 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
 }
-__global__ void fill_normal_bf16(__nv_bfloat16* out, size_t n, uint64_t seed) {
+__global__ void fill_normal_bf16(__nv_bfloat16* out, size_t n, uint64_t seed, float sigma) {
   for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
     const uint64_t h = splitmix64(seed ^ splitmix64(i));
     const float u1 = float((h >> 40) + 1) * 0x1p-24f;  // (0, 1]
     const float u2 = float(h & 0xffffffull) * 0x1p-24f;  // [0, 1)
-    out[i] = __float2bfloat16(sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+    out[i] = __float2bfloat16(sigma * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
   }
 }
-static void* random_bf16(size_t n, uint64_t seed) {
+static void* random_bf16(size_t n, uint64_t seed, float sigma = 1.f) {
   void* d;
   CHECK_CUDA(cudaMalloc(&d, n * 2));
-  fill_normal_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(d), n, seed);
+  fill_normal_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(d), n, seed, sigma);
   CHECK_CUDA(cudaGetLastError());
   return d;
 }
@@ -55,16 +57,18 @@ int main(int argc, char** argv) {
   const int H = argc > 4 ? std::atoi(argv[3]) : 64, HV = argc > 4 ? std::atoi(argv[4]) : 64;
   const int iters = argc > 5 ? std::atoi(argv[5]) : 20;
   const int D = 128;
+  const char* gate_env = std::getenv("CULA_STANDALONE_GATE");
+  const bool softplus = gate_env != nullptr && std::strcmp(gate_env, "softplus") == 0;
   const size_t nqk = size_t(B) * T * H * D, nv = size_t(B) * T * HV * D, nb = size_t(B) * T * HV;
   std::mt19937_64 rng(std::random_device{}());
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> beta(nb), dt(HV * D), alog(HV);
   for (auto& x : beta) x = 1.f / (1.f + std::exp(-normal(rng)));
   for (auto& x : dt) x = 0.1f * normal(rng);
-  for (auto& x : alog) x = 0.1f * normal(rng);
+  for (auto& x : alog) x = (softplus ? 1.f : 0.1f) * normal(rng);
 
   void *dq = random_bf16(nqk, rng()), *dk = random_bf16(nqk, rng()), *dv = random_bf16(nv, rng()),
-       *dg = random_bf16(nv, rng());
+       *dg = random_bf16(nv, rng(), softplus ? 2.f : 1.f);
   float *dbeta, *ddt, *dalog, *dstate;
   void* o;
   CHECK_CUDA(cudaMalloc(&dbeta, nb * 4));
@@ -76,7 +80,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMemcpy(ddt, dt.data(), dt.size() * 4, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dalog, alog.data(), alog.size() * 4, cudaMemcpyHostToDevice));
 
-  const int flags = CULA_KDA_GATE_IN_KERNEL | CULA_KDA_QK_L2NORM;
+  const int flags = CULA_KDA_GATE_IN_KERNEL | CULA_KDA_QK_L2NORM | (softplus ? CULA_KDA_GATE_SOFTPLUS : 0);
   auto run = [&] {
     int e = cula_kda_prefill_sm90(dq, dk, dv, dg, dbeta, dalog, ddt, nullptr, nullptr, o, dstate, B, T, B, H, HV,
                                   1.f / std::sqrt(float(D)), -5.f, flags, nullptr);
@@ -113,7 +117,8 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaEventElapsedTime(&ms[i], a, b));
   }
   std::sort(ms.begin(), ms.end());
-  std::printf("B=%d T=%d H=%d HV=%d: non-finite or unwritten outputs %zu, deterministic %s, median %.3f ms\n", B, T,
+  std::printf("%sB=%d T=%d H=%d HV=%d: non-finite or unwritten outputs %zu, deterministic %s, median %.3f ms\n",
+              softplus ? "softplus gate: " : "", B, T,
               H, HV, bad, same ? "yes" : "NO", ms[iters / 2]);
   return (bad == 0 && same) ? 0 : 1;
 }
