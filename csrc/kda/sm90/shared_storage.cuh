@@ -78,7 +78,7 @@ struct alignas(1024) StageStorage {
 // range is known: with l2-normalised q and k every |A_qk[i, j]| <= |q_i| |k_j| <= 1. The fused
 // index-order kernels only: their state warpgroups take A_qk v_new in fp16 (state_math.cuh).
 // The cooperative owners keep bf16, and so do the longest-first kernels: there the fp16 path
-// measured 15-19 % slower on many short tiles (B=100 T=128 H=64): not the fp16 work itself but,
+// measured 12-19 % slower on many short tiles (B=100 T=128 H=64): not the fp16 work itself but,
 // by its SASS, most likely the instruction cache, the kernel's code having grown past ~172 KB
 // (docs/perf-notes.md).
 constexpr bool aqk_is_half(bool prep_ahead, bool l2norm, bool longest_first) {
