@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
-import importlib.util
 import os
 import re
 import subprocess
@@ -105,20 +104,14 @@ def count_sass(text: str) -> dict[str, int]:
     return counts
 
 
-def _setup_module():
-    spec = importlib.util.spec_from_file_location("cula_setup_py", os.path.join(ROOT, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # defines helpers only: setup() runs under __main__
-    return module
-
-
-def _find_tool(name: str) -> str | None:
+def _build_helpers():
+    """setup.py's toolkit search and the build tests' tool search (tests/test_build.py), reused."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     try:
-        from test_build import find_tool  # the same search as the build tests
+        import test_build
     finally:
         sys.path.pop(0)
-    return find_tool(name)
+    return test_build._load_setup_py(), test_build.find_tool
 
 
 def measure(tree: str, source: str, nvcc: str, includes: list[str], flags: list[str],
@@ -163,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
 
-    setup_py = _setup_module()
+    setup_py, find_tool = _build_helpers()
     cuda_home = setup_py.find_cuda_home()
     cutlass = setup_py.find_cutlass_include()
     nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
@@ -175,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     util = setup_py._cutlass_util_include(cutlass)
     if util:
         includes.append(util)
-    cuobjdump, nvdisasm = _find_tool("cuobjdump"), _find_tool("nvdisasm")
+    cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
     if cuobjdump is None or nvdisasm is None:
         print("kernel_code_size: cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump "
               "nvidia-cuda-nvdisasm)", file=sys.stderr)
