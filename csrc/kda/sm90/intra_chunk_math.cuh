@@ -536,25 +536,22 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
     for (int r = 0; r < 8; ++r) aqk[bj][r] = akk[bj][r] = 0.f;
   }
 
-#pragma unroll 1
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    const uint32_t box_off = (ks >> 2) * kBoxBytes;
-    const uint32_t lm_off = box_off + sw128_chunk_offset(lm_row, (ks & 3) * 2 + lm_hi);
-    uint32_t qf[4], kf[4];
+  // Operands of k-step ks: the q and k fragments (ldmatrix) and, per column block bj, the packed
+  // bf16 scale pairs exp2(r_w - r_bj) (<= 1 for bj < warp, 1 on the diagonal block, 0 above it).
+  // They are fetched for k-step ks + 1 while k-step ks's WGMMAs run (software pipelining over the
+  // k-steps): each k-step then waits for its products only, not also for the next k-step's shared
+  // loads and exp2 chain. The fragments in flight (qa, ka) and the accumulators are not touched
+  // between commit and wait, so ptxas keeps the products asynchronous.
+  const float (*ref)[kHeadDim] = kGeneral ? a_ref : st.r_block;
+  const auto fetch = [&](int ks, uint32_t (&qf)[4], uint32_t (&kf)[4], uint32_t (&sc_lo)[kNumSubBlocks],
+                         uint32_t (&sc_hi)[kNumSubBlocks]) {
+    const uint32_t lm_off = (ks >> 2) * kBoxBytes + sw128_chunk_offset(lm_row, (ks & 3) * 2 + lm_hi);
     ldmatrix_x4(q_base + lm_off, qf);
     ldmatrix_x4(k_base + lm_off, kf);
-
     // Features of this thread's fragment: c0, c0+1 (regs 0, 1) and c0+8, c0+9 (regs 2, 3).
     const int c0 = ks * 16 + 2 * t4;
-    const float (*ref)[kHeadDim] = kGeneral ? a_ref : st.r_block;
     const float rw0 = ref[warp][c0], rw1 = ref[warp][c0 + 1];
     const float rw8 = ref[warp][c0 + 8], rw9 = ref[warp][c0 + 9];
-
-    // A operands per column block bj: rescaled by exp2(r_w - r_bj) <= 1 for bj < warp, as loaded
-    // for bj == warp, zero for bj > warp. The rescale is one packed bf16x2 multiply per register
-    // (the scale pair rounded to bf16 first: one extra rounding of 2^-9 relative on these
-    // entries), instead of unpacking to fp32, two FMUL and a repack.
-    uint32_t qa[kNumSubBlocks][4], ka[kNumSubBlocks][4];
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
       float s0 = 0.f, s1 = 0.f, s8 = 0.f, s9 = 0.f;
@@ -577,10 +574,26 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
           s0 = s1 = s8 = s9 = 1.f;
         }
       }
-      const uint32_t scale_lo = float2_to_bf16x2(s0, s1), scale_hi = float2_to_bf16x2(s8, s9);
+      sc_lo[bj] = float2_to_bf16x2(s0, s1);
+      sc_hi[bj] = float2_to_bf16x2(s8, s9);
+    }
+  };
+  uint32_t qf[4], kf[4], sc_lo[kNumSubBlocks], sc_hi[kNumSubBlocks];
+  fetch(0, qf, kf, sc_lo, sc_hi);
+
+#pragma unroll 1
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    const uint32_t box_off = (ks >> 2) * kBoxBytes;
+    // A operands per column block bj: rescaled by exp2(r_w - r_bj) <= 1 for bj < warp, as loaded
+    // for bj == warp, zero for bj > warp. The rescale is one packed bf16x2 multiply per register
+    // (the scale pair rounded to bf16 first: one extra rounding of 2^-9 relative on these
+    // entries), instead of unpacking to fp32, two FMUL and a repack.
+    uint32_t qa[kNumSubBlocks][4], ka[kNumSubBlocks][4];
+#pragma unroll
+    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const uint32_t sc = r < 2 ? scale_lo : scale_hi;
+        const uint32_t sc = r < 2 ? sc_lo[bj] : sc_hi[bj];
         qa[bj][r] = bf16x2_mul(qf[r], sc);
         ka[bj][r] = bf16x2_mul(kf[r], sc);
       }
@@ -599,6 +612,9 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
       wgmma_rs_n16(ka[bj], db, akk[bj], true);
     }
     wgmma_commit();
+    // The next k-step's operands (the last k-step fetches its own again: a harmless reload that
+    // keeps the loop free of a branch).
+    fetch(min(ks + 1, kHeadDim / 16 - 1), qf, kf, sc_lo, sc_hi);
     wgmma_wait<0>();
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {

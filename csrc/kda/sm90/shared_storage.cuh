@@ -76,13 +76,13 @@ struct alignas(1024) StageStorage {
 // A_qk in fp16 instead of bf16 (8x finer rounding; o error 3.1 -> 2.9e-3 with v_new's fp16 copy in
 // its product: scripts/error_budget.py, and measured on the index rows of the benchmark) where its
 // range is known: with l2-normalised q and k every |A_qk[i, j]| <= |q_i| |k_j| <= 1. The fused
-// index-order kernels only: their state warpgroups take A_qk v_new in fp16 (state_math.cuh).
-// The cooperative owners keep bf16, and so do the longest-first kernels: there the fp16 path
-// measured 12-19 % slower on many short tiles (B=100 T=128 H=64): not the fp16 work itself but,
-// by its SASS, most likely the instruction cache, the kernel's code having grown past ~172 KB
-// (docs/perf-notes.md).
+// kernels (index order and longest first): their state warpgroups take A_qk v_new in fp16
+// (state_math.cuh). The cooperative owners keep bf16. (The longest-first kernels measured 12-19 %
+// slower with fp16 while their code was past ~172 KB, most likely instruction-cache misses; with
+// one hot call site of the prep, state_math.cuh, they are ~150 KB: docs/perf-notes.md.)
 constexpr bool aqk_is_half(bool prep_ahead, bool l2norm, bool longest_first) {
-  return prep_ahead && l2norm && !longest_first;
+  (void)longest_first;
+  return prep_ahead && l2norm;
 }
 
 // Cooperative mode: the part of a finished stage that the state warpgroups need (q..aqk_diag

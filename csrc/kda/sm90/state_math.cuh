@@ -60,17 +60,21 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   const int prep_tid = tid + kWarpgroupThreads * half;  // 0..255, feature pair prep_tid % 64
   [[maybe_unused]] GateConstants gc(p, 1.f, make_float2(0.f, 0.f));
   [[maybe_unused]] int gc_head = -1;
-  const auto prep = [&](const PipelineState& at, const WorkTile& t, int c) {
-    if (t.v_head != gc_head) {
+  // One call site (below): each inlined copy of the prep is ~20 KB of code, and the longest-first
+  // kernels ran two of three copies every tile, which measured as instruction-cache misses
+  // (docs/perf-notes.md). Its arguments are scalars chosen by selects, not a tile reference
+  // (a reference chosen between two tiles put them in local memory).
+  const auto prep = [&](const PipelineState& at, int v_head, int rows) {
+    if (v_head != gc_head) {
       float gate_scale;
       float2 gate_bias;
-      gate_parameters<kGateInKernel>(p, t.v_head, prep_tid, gate_scale, gate_bias);
+      gate_parameters<kGateInKernel>(p, v_head, prep_tid, gate_scale, gate_bias);
       gc = GateConstants(p, gate_scale, gate_bias);
-      gc_head = t.v_head;
+      gc_head = v_head;
     }
     StageStorage& st = smem.stage[at.stage];
     cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
-    prep_chunk_ahead<kGateInKernel, kL2Norm, kDecays>(st, smem.state_bf16[0], t.chunk_rows(c), gc, prep_tid);
+    prep_chunk_ahead<kGateInKernel, kL2Norm, kDecays>(st, smem.state_bf16[0], rows, gc, prep_tid);
     cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
   };
   // With prep ahead the warpgroups fetch the next tile at the current one's last chunk (`ahead`)
@@ -94,25 +98,29 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
     const int num_chunks = tile.num_chunks();
+    // Prep ahead: chunk 0 here when the previous tile's last iteration did not prepare it (the
+    // first tile, or after an empty next tile: cold); then iteration c prepares chunk c + 1 of this
+    // tile or, at the last chunk, the next tile's chunk 0, on the stage after this chunk's (one
+    // hot call site).
     if constexpr (kPrepAhead) {
-      if (num_chunks > 0 && !first_prepped) prep(pipe, tile, 0);
+      if (num_chunks > 0 && !first_prepped) prep(pipe, tile.v_head, tile.chunk_rows(0));
       first_prepped = false;
     }
-
-    for (int c = 0; c < num_chunks; ++c, pipe.advance()) {
+    for (int c = 0; c < num_chunks; ++c) {
       if constexpr (kPrepAhead) {
-        PipelineState next = pipe;  // the stage released after chunk c - 1
-        next.advance();
-        if (c + 1 < num_chunks) {
-          prep(next, tile, c + 1);
-        } else {
+        PipelineState at = pipe;  // the stage released after chunk c - 1
+        at.advance();
+        const bool in_tile = c + 1 < num_chunks;
+        bool do_prep = true;
+        if (!in_tile) {
           have_ahead = next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, ahead);
           ahead_fetched = true;
-          if (have_ahead && ahead.num_chunks() > 0) {
-            prep(next, ahead, 0);
-            first_prepped = true;
-          }
+          do_prep = have_ahead && ahead.num_chunks() > 0;
+          first_prepped = do_prep;
         }
+        const int prep_head = in_tile ? tile.v_head : ahead.v_head;
+        const int prep_rows = in_tile ? tile.chunk_rows(c + 1) : ahead.chunk_rows(0);
+        if (do_prep) prep(at, prep_head, prep_rows);
       }
       // The prep (its wait for the stage's load included; at a tile's start also the previous
       // tile's final state store, the next tile's fetch and its initial state load).
@@ -327,6 +335,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       // (f) o -> global (the S tile is free again and serves as staging).
       store_output_tile(p, tile, c, O, s_tile, half, tid, bar);
       timer.mark(5);
+      pipe.advance();
     }
     // The slot again rather than kept in registers across the chunk loop.
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
