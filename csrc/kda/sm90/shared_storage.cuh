@@ -116,6 +116,9 @@ struct alignas(1024) SharedStorage {
   uint64_t prepped_bar[kStages];  // prep ahead: state (steps 1-3 of the stage's chunk) -> intra
   uint64_t ready_bar[kStages];  // intra -> state
   uint64_t empty_bar[kStages];  // state -> producer
+  // Fused kernels: the state warpgroups have read the M tile (kMTileOffset) of the intra-chunk
+  // warpgroup's last chunk, which may write its scratch again (state -> intra).
+  uint64_t m_tile_empty_bar;
 };
 
 // Intra scratch: the l2-norm reciprocals and the row statistics (steps 1-3), then the fp32
@@ -123,6 +126,11 @@ struct alignas(1024) SharedStorage {
 constexpr int kRnormOffset = 0;                 // float[128]: q rows 0..63, k rows 64..127
 constexpr int kRowStatsOffset = 4096;           // float[3][2][64]: q.q, k.k, q.k per row and half
 constexpr int kDiagOffset = 0;                  // float[4][16][20]
+// Fused kernels (prep ahead): M - I of the chunk last handed to the state warpgroups, bf16 64x64,
+// K-major SW128 (one box) over the whole scratch, from the end of the inverse until the state
+// warpgroups arrive on m_tile_empty_bar (intra_chunk_math.cuh step 8, state_math.cuh (c)).
+constexpr int kMTileOffset = 0;
+static_assert(kMTileOffset + kChunk * kChunk * 2 <= 8192, "the M tile must fit in the intra scratch");
 static_assert(kRowStatsOffset >= 128 * 4 && kRowStatsOffset + 6 * 64 * 4 <= 8192 && 4 * 16 * 20 * 4 <= 8192,
               "intra scratch must fit");
 
