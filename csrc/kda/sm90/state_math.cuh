@@ -50,6 +50,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   // M folded into the chain (the fused kernels: intra_chunk_math.cuh step 8): the stage holds KG
   // and v instead of W and U, and v_new = M (beta v - KG S).
   constexpr bool kFoldM = kPrepAhead;
+  // The general gates' prep has one call site only (below).
+  constexpr bool kOneSite = kDecays != Decays::kSafe;
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
   const int warp = tid >> 5, lane = tid & 31;
@@ -105,18 +107,27 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
     const int num_chunks = tile.num_chunks();
-    // Prep ahead: chunk 0 here when the previous tile's last iteration did not prepare it (the
-    // first tile, or after an empty next tile: cold); then iteration c prepares chunk c + 1 of this
-    // tile or, at the last chunk, the next tile's chunk 0, on the stage after this chunk's (one
-    // hot call site).
+    // Prep ahead: iteration c prepares chunk c + 1 of this tile or, at the last chunk, the next
+    // tile's chunk 0, on the stage after this chunk's (one hot call site). Chunk 0 of a tile whose
+    // previous tile did not prepare it (the first tile, or after an empty next tile) is prepared
+    // before the loop (a cold copy of the prep) or, with kOneSite, by an iteration c = -1 that
+    // does nothing else: the general-gate kernels' prep is ~40 % larger, and one copy of it keeps
+    // them nearer the instruction cache and spills less there, while in the safe-gate kernels the
+    // extra iteration made ptxas spill in the chunk loop (+37 % time; docs/perf-notes.md).
+    int c = 0;
     if constexpr (kPrepAhead) {
-      if (num_chunks > 0 && !first_prepped) prep(pipe, tile.v_head, tile.chunk_rows(0));
+      const bool prep_first = num_chunks > 0 && !first_prepped;
+      if constexpr (kOneSite) {
+        if (prep_first) c = -1;
+      } else {
+        if (prep_first) prep(pipe, tile.v_head, tile.chunk_rows(0));
+      }
       first_prepped = false;
     }
-    for (int c = 0; c < num_chunks; ++c) {
+    for (; c < num_chunks; ++c) {
       if constexpr (kPrepAhead) {
-        PipelineState at = pipe;  // the stage released after chunk c - 1
-        at.advance();
+        PipelineState at = pipe;  // c >= 0: the stage released after chunk c - 1
+        if (!kOneSite || c >= 0) at.advance();
         const bool in_tile = c + 1 < num_chunks;
         bool do_prep = true;
         if (!in_tile) {
@@ -128,6 +139,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
         const int prep_head = in_tile ? tile.v_head : ahead.v_head;
         const int prep_rows = in_tile ? tile.chunk_rows(c + 1) : ahead.chunk_rows(0);
         if (do_prep) prep(at, prep_head, prep_rows);
+        if (kOneSite && c < 0) continue;
       }
       // The prep (its wait for the stage's load included; at a tile's start also the previous
       // tile's final state store, the next tile's fetch and its initial state load).
