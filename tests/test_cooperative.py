@@ -7,10 +7,11 @@ recurrence on them. ``CULA_KDA_COOPERATIVE=0`` / ``=1`` forces the fused kernel 
 mode (read per call), so every case here runs both:
 
 * each against the fp32 recurrence (the numerics contract, as in ``test_sm90.py``);
-* cooperative against fused within ``MODE_RTOL``: the state warpgroups consume copies of the
-  stages the fused kernel would have handed over, except that the helpers fold the block decays
-  into KT (one more bf16 rounding) so that the owners update the state in one batch; a chunk at
-  the wrong slot or a stale stage is off by O(1).
+* cooperative against fused within ``MODE_RTOL``: the same chunked algorithm with different
+  bf16 rounding points (the helpers form W and U and fold the block decays into KT so that the
+  owners update the state in one batch; the fused kernel folds M into its state chain instead,
+  v_new = M (beta v - KG S), and never rounds U), so the two differ by about their errors against
+  the recurrence; a chunk at the wrong slot or a stale stage is off by O(1).
 
 Every case runs with one owner per tile, with two (``CULA_KDA_VALUE_SPLIT=1`` / ``=2``: each owner
 on half of the value columns) and with the default, where the kernel gives each tile one or two
@@ -49,8 +50,11 @@ CASES = [
 ]
 
 
-#: Cooperative vs fused (both also within the contract of the fp32 recurrence).
-MODE_RTOL = 2e-3
+#: Cooperative vs fused (both also within the contract of the fp32 recurrence). Since the fused
+#: kernel folds M into its state chain (o ~2.4e-3 from the recurrence, the cooperative mode
+#: ~3.1e-3) they differ by 2.8-2.9e-3 (H100, 03500f6); the contract's 5e-3 still separates that
+#: from an O(1) error.
+MODE_RTOL = 5e-3
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:

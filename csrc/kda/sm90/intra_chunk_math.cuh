@@ -18,8 +18,11 @@
 //   6. QG = QE exp2(r_b) = q exp2(G), KG = beta KE exp2(r_b) = beta k exp2(G)   (in place)
 //   7. M = (I + A_kk)^-1: 16x16 diagonal blocks by forward substitution, the rest as three rounds
 //      of tf32 WGMMA products (unit_lower_inverse.cuh); M ends up in accumulator registers
-//   8. W = M KG -> k slot,  U = ((M - I) diag(beta)) v + beta v -> v slot  (WGMMA, A operands
-//      from the inverse's registers; the diagonal term in fp32: beta v is never rounded to bf16)
+//   8. fused kernels: M - I -> the M tile (bf16); the state warpgroups fold M into their chain,
+//      v_new = M (beta v - KG S), so KG and v stay in their slots (state_math.cuh).
+//      cooperative helpers: W = M KG -> k slot,  U = ((M - I) diag(beta)) v + beta v -> v slot
+//      (WGMMA, A operands from the inverse's registers; the diagonal term in fp32: beta v is
+//      never rounded to bf16)
 //   9. arrive on the stage's `ready` barrier.
 #pragma once
 
@@ -536,25 +539,22 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
     for (int r = 0; r < 8; ++r) aqk[bj][r] = akk[bj][r] = 0.f;
   }
 
-#pragma unroll 1
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    const uint32_t box_off = (ks >> 2) * kBoxBytes;
-    const uint32_t lm_off = box_off + sw128_chunk_offset(lm_row, (ks & 3) * 2 + lm_hi);
-    uint32_t qf[4], kf[4];
+  // Operands of k-step ks: the q and k fragments (ldmatrix) and, per column block bj, the packed
+  // bf16 scale pairs exp2(r_w - r_bj) (<= 1 for bj < warp, 1 on the diagonal block, 0 above it).
+  // They are fetched for k-step ks + 1 while k-step ks's WGMMAs run (software pipelining over the
+  // k-steps): each k-step then waits for its products only, not also for the next k-step's shared
+  // loads and exp2 chain. The fragments in flight (qa, ka) and the accumulators are not touched
+  // between commit and wait, so ptxas keeps the products asynchronous.
+  const float (*ref)[kHeadDim] = kGeneral ? a_ref : st.r_block;
+  const auto fetch = [&](int ks, uint32_t (&qf)[4], uint32_t (&kf)[4], uint32_t (&sc_lo)[kNumSubBlocks],
+                         uint32_t (&sc_hi)[kNumSubBlocks]) {
+    const uint32_t lm_off = (ks >> 2) * kBoxBytes + sw128_chunk_offset(lm_row, (ks & 3) * 2 + lm_hi);
     ldmatrix_x4(q_base + lm_off, qf);
     ldmatrix_x4(k_base + lm_off, kf);
-
     // Features of this thread's fragment: c0, c0+1 (regs 0, 1) and c0+8, c0+9 (regs 2, 3).
     const int c0 = ks * 16 + 2 * t4;
-    const float (*ref)[kHeadDim] = kGeneral ? a_ref : st.r_block;
     const float rw0 = ref[warp][c0], rw1 = ref[warp][c0 + 1];
     const float rw8 = ref[warp][c0 + 8], rw9 = ref[warp][c0 + 9];
-
-    // A operands per column block bj: rescaled by exp2(r_w - r_bj) <= 1 for bj < warp, as loaded
-    // for bj == warp, zero for bj > warp. The rescale is one packed bf16x2 multiply per register
-    // (the scale pair rounded to bf16 first: one extra rounding of 2^-9 relative on these
-    // entries), instead of unpacking to fp32, two FMUL and a repack.
-    uint32_t qa[kNumSubBlocks][4], ka[kNumSubBlocks][4];
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
       float s0 = 0.f, s1 = 0.f, s8 = 0.f, s9 = 0.f;
@@ -577,10 +577,26 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
           s0 = s1 = s8 = s9 = 1.f;
         }
       }
-      const uint32_t scale_lo = float2_to_bf16x2(s0, s1), scale_hi = float2_to_bf16x2(s8, s9);
+      sc_lo[bj] = float2_to_bf16x2(s0, s1);
+      sc_hi[bj] = float2_to_bf16x2(s8, s9);
+    }
+  };
+  uint32_t qf[4], kf[4], sc_lo[kNumSubBlocks], sc_hi[kNumSubBlocks];
+  fetch(0, qf, kf, sc_lo, sc_hi);
+
+#pragma unroll 1
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    const uint32_t box_off = (ks >> 2) * kBoxBytes;
+    // A operands per column block bj: rescaled by exp2(r_w - r_bj) <= 1 for bj < warp, as loaded
+    // for bj == warp, zero for bj > warp. The rescale is one packed bf16x2 multiply per register
+    // (the scale pair rounded to bf16 first: one extra rounding of 2^-9 relative on these
+    // entries), instead of unpacking to fp32, two FMUL and a repack.
+    uint32_t qa[kNumSubBlocks][4], ka[kNumSubBlocks][4];
+#pragma unroll
+    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const uint32_t sc = r < 2 ? scale_lo : scale_hi;
+        const uint32_t sc = r < 2 ? sc_lo[bj] : sc_hi[bj];
         qa[bj][r] = bf16x2_mul(qf[r], sc);
         ka[bj][r] = bf16x2_mul(kf[r], sc);
       }
@@ -599,6 +615,9 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
       wgmma_rs_n16(ka[bj], db, akk[bj], true);
     }
     wgmma_commit();
+    // The next k-step's operands (the last k-step fetches its own again: a harmless reload that
+    // keeps the loop free of a branch).
+    fetch(min(ks + 1, kHeadDim / 16 - 1), qf, kf, sc_lo, sc_hi);
     wgmma_wait<0>();
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
@@ -638,9 +657,10 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 //
 // kAqkHalf (shared_storage.cuh: aqk_is_half): A_qk goes to the stage in fp16.
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false,
-          bool kPrepped = false, bool kAqkHalf = false>
+          bool kPrepped = false, bool kAqkHalf = false, bool kFoldM = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
-                                            float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer) {
+                                            float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer,
+                                            uint64_t* m_tile_empty = nullptr, uint32_t m_tile_phase = 0) {
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
   float* rnorm = reinterpret_cast<float*>(ws.scratch + kRnormOffset);
@@ -668,6 +688,10 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
     intra_attention_matrices<kGeneral>(st, ws.a_ref, warp, lane, aqk, akk);
     timer.mark(2);
+    // kFoldM: the M tile of the previous chunk lies over the diagonal-block scratch that step 5
+    // writes; wait until both state warpgroups have read it (chunk_prep.cuh's ring is ahead of
+    // this, so in the steady state this never waits).
+    if constexpr (kFoldM) cutlass::arch::ClusterBarrier::wait(m_tile_empty, m_tile_phase);
 
     // Step 5: masks and beta. A_qk -> stage (bf16, strictly lower: its diagonal is st.aqk_diag);
     // A = beta_i A_kk: its blocks below the diagonal stay in registers (a_off, m64n64
@@ -793,60 +817,77 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
     timer.mark(5);
 
-    // Step 8: W = M KG -> k slot, U = ((M - I) diag(beta)) v + beta v -> v slot. The A operands
-    // come straight from the inverse's accumulator (the bf16 m64k16 fragment of k-step ks is
-    // accumulator columns 16 ks .. 16 ks + 15 of the thread's two rows). For U the unit diagonal
-    // is left out of the bf16 operand and its term beta_i v_i added in fp32 below: rounding
-    // beta v (or beta_j on the diagonal) to bf16 was the largest single share of the kernel's
-    // error (scripts/error_budget.py: o 3.5e-3 -> 3.1e-3, state 2.9e-3 -> 2.4e-3 without it).
-    // Thread element r of k-step ks: row 16 warp + g4 + 8 ((r >> 0) & 1), column
-    // 16 ks + 8 (r >> 1) + 2 t4 (+1).
-    uint32_t mw_frag[kChunk / 16][4], mu_frag[kChunk / 16][4];
+    if constexpr (kFoldM) {
+      // Step 8 (fused kernels): M - I -> the M tile (bf16, K-major A operand, over the intra
+      // scratch, whose diagonal blocks the inverse has finished reading). The state warpgroups
+      // fold M into their chain, v_new = M (beta v - KG S) = Y + (M - I) Y (state_math.cuh), so
+      // W and U are never formed: KG stays in the k slot and v in the v slot. M's diagonal is
+      // exactly 1 (unit diagonal blocks, strictly block-lower N), so M - I is 0 there.
 #pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float m0 = m[8 * ks + 2 * r], m1 = m[8 * ks + 2 * r + 1];
-        const int i = kSubBlock * warp + g4 + 8 * (r & 1);
-        const int j = 16 * ks + 8 * (r >> 1) + 2 * t4;
-        const float2 bj = *reinterpret_cast<const float2*>(&st.beta[j]);
-        mw_frag[ks][r] = float2_to_bf16x2(m0, m1);
-        mu_frag[ks][r] = float2_to_bf16x2(i == j ? 0.f : m0 * bj.x, i == j + 1 ? 0.f : m1 * bj.y);
-      }
-    // One product into a 64 x 128 slot (k: W, v: U), stored as bf16 in place; with_beta_v adds
-    // beta_i v_i in fp32 from the slot's bf16 v at the thread's own elements before the store.
-    const auto product = [&](const uint32_t (&a)[kChunk / 16][4], uint8_t* slot, bool with_beta_v) {
-      const uint32_t b_base = smem_u32(slot);
-      float acc[64];
-#pragma unroll
-      for (int r = 0; r < 64; ++r) acc[r] = 0.f;
-      fence_accumulators(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_rs<128, Major::MN>(a[ks], desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_accumulators(acc);
-      named_barrier_sync(ws.bar, 128);  // whole warpgroup done reading the slot
-      if (with_beta_v) {
+      for (int n8 = 0; n8 < 8; ++n8)
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = kSubBlock * warp + g4 + 8 * h2;
-          const float bi = st.beta[i];
+          const int i = kSubBlock * warp + g4 + 8 * h2, j = 8 * n8 + 2 * t4;
+          const float m0 = i == j ? 0.f : m[n8 * 4 + h2 * 2], m1 = i == j + 1 ? 0.f : m[n8 * 4 + h2 * 2 + 1];
+          *reinterpret_cast<uint32_t*>(ws.scratch + kMTileOffset + sw128_offset(i, j, kChunk)) =
+              float2_to_bf16x2(m0, m1);
+        }
+    } else {
+      // Step 8: W = M KG -> k slot, U = ((M - I) diag(beta)) v + beta v -> v slot. The A operands
+      // come straight from the inverse's accumulator (the bf16 m64k16 fragment of k-step ks is
+      // accumulator columns 16 ks .. 16 ks + 15 of the thread's two rows). For U the unit diagonal
+      // is left out of the bf16 operand and its term beta_i v_i added in fp32 below: rounding
+      // beta v (or beta_j on the diagonal) to bf16 was the largest single share of the kernel's
+      // error (scripts/error_budget.py: o 3.5e-3 -> 3.1e-3, state 2.9e-3 -> 2.4e-3 without it).
+      // Thread element r of k-step ks: row 16 warp + g4 + 8 ((r >> 0) & 1), column
+      // 16 ks + 8 (r >> 1) + 2 t4 (+1).
+      uint32_t mw_frag[kChunk / 16][4], mu_frag[kChunk / 16][4];
 #pragma unroll
-          for (int n8 = 0; n8 < 16; ++n8) {
-            const float2 vi = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(
-                slot + (n8 >> 3) * kBoxBytes + sw128_fragment_offset(i, n8 & 7, g4, t4)));
-            acc[n8 * 4 + h2 * 2] = fmaf(bi, vi.x, acc[n8 * 4 + h2 * 2]);
-            acc[n8 * 4 + h2 * 2 + 1] = fmaf(bi, vi.y, acc[n8 * 4 + h2 * 2 + 1]);
+      for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float m0 = m[8 * ks + 2 * r], m1 = m[8 * ks + 2 * r + 1];
+          const int i = kSubBlock * warp + g4 + 8 * (r & 1);
+          const int j = 16 * ks + 8 * (r >> 1) + 2 * t4;
+          const float2 bj = *reinterpret_cast<const float2*>(&st.beta[j]);
+          mw_frag[ks][r] = float2_to_bf16x2(m0, m1);
+          mu_frag[ks][r] = float2_to_bf16x2(i == j ? 0.f : m0 * bj.x, i == j + 1 ? 0.f : m1 * bj.y);
+        }
+      // One product into a 64 x 128 slot (k: W, v: U), stored as bf16 in place; with_beta_v adds
+      // beta_i v_i in fp32 from the slot's bf16 v at the thread's own elements before the store.
+      const auto product = [&](const uint32_t (&a)[kChunk / 16][4], uint8_t* slot, bool with_beta_v) {
+        const uint32_t b_base = smem_u32(slot);
+        float acc[64];
+#pragma unroll
+        for (int r = 0; r < 64; ++r) acc[r] = 0.f;
+        fence_accumulators(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks)
+          wgmma_rs<128, Major::MN>(a[ks], desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(acc);
+        named_barrier_sync(ws.bar, 128);  // whole warpgroup done reading the slot
+        if (with_beta_v) {
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int i = kSubBlock * warp + g4 + 8 * h2;
+            const float bi = st.beta[i];
+#pragma unroll
+            for (int n8 = 0; n8 < 16; ++n8) {
+              const float2 vi = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(
+                  slot + (n8 >> 3) * kBoxBytes + sw128_fragment_offset(i, n8 & 7, g4, t4)));
+              acc[n8 * 4 + h2 * 2] = fmaf(bi, vi.x, acc[n8 * 4 + h2 * 2]);
+              acc[n8 * 4 + h2 * 2 + 1] = fmaf(bi, vi.y, acc[n8 * 4 + h2 * 2 + 1]);
+            }
           }
         }
-      }
-      store_accumulator_bf16<128>(slot, acc, warp, lane, 0);
-    };
-    product(mw_frag, st.k, false);
-    product(mu_frag, st.v, true);
+        store_accumulator_bf16<128>(slot, acc, warp, lane, 0);
+      };
+      product(mw_frag, st.k, false);
+      product(mu_frag, st.v, true);
+    }
 }
 
 // Gate parameters of value head hv (gate in kernel): scale exp(A_log[hv]), bias dt_bias[hv] of the
@@ -910,6 +951,9 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
     }
   } else {
     TileCursor cursor;
+    // Fused kernels: phase of m_tile_empty_bar to wait for (chunk n waits for the state
+    // warpgroups' arrivals of chunk n - 1; the first wait, on the phase before the first, passes).
+    [[maybe_unused]] uint32_t m_tile_phase = 1u;
     for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);) {
       float gate_scale = 1.f;
       float2 gate_bias = make_float2(0.f, 0.f);
@@ -924,8 +968,9 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         }
         timer.mark(0);
         intra_chunk<kGateInKernel, kL2Norm, kDecays, false, kPrepAhead,
-                    aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst)>(
-            p, ws, st, rows, gate_scale, gate_bias, tid, timer);
+                    aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst), /*kFoldM=*/kPrepAhead>(
+            p, ws, st, rows, gate_scale, gate_bias, tid, timer, &smem.m_tile_empty_bar, m_tile_phase);
+        m_tile_phase ^= 1u;
         // Step 9: hand the stage to the state warpgroups.
         fence_smem_to_async_proxy();
         cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);

@@ -99,6 +99,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       // owner of half a tile (value split) by its one state warpgroup.
       cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : (kCoop && coop_role.half >= 0) ? 128 : 256);
     }
+    // Fused kernels: both state warpgroups' threads release the M tile (state_math.cuh).
+    if constexpr (kPrepAhead) cutlass::arch::ClusterBarrier::init(&smem.m_tile_empty_bar, 2 * 128);
     if constexpr (kLongestFirst) {
 #pragma unroll
       for (int s = 0; s < kTileSlots; ++s) {

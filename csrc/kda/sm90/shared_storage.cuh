@@ -76,13 +76,13 @@ struct alignas(1024) StageStorage {
 // A_qk in fp16 instead of bf16 (8x finer rounding; o error 3.1 -> 2.9e-3 with v_new's fp16 copy in
 // its product: scripts/error_budget.py, and measured on the index rows of the benchmark) where its
 // range is known: with l2-normalised q and k every |A_qk[i, j]| <= |q_i| |k_j| <= 1. The fused
-// index-order kernels only: their state warpgroups take A_qk v_new in fp16 (state_math.cuh).
-// The cooperative owners keep bf16, and so do the longest-first kernels: there the fp16 path
-// measured 12-19 % slower on many short tiles (B=100 T=128 H=64): not the fp16 work itself but,
-// by its SASS, most likely the instruction cache, the kernel's code having grown past ~172 KB
-// (docs/perf-notes.md).
+// kernels (index order and longest first): their state warpgroups take A_qk v_new in fp16
+// (state_math.cuh). The cooperative owners keep bf16. (The longest-first kernels measured 12-19 %
+// slower with fp16 while their code was past ~172 KB, most likely instruction-cache misses; with
+// one hot call site of the prep, state_math.cuh, they are ~150 KB: docs/perf-notes.md.)
 constexpr bool aqk_is_half(bool prep_ahead, bool l2norm, bool longest_first) {
-  return prep_ahead && l2norm && !longest_first;
+  (void)longest_first;
+  return prep_ahead && l2norm;
 }
 
 // Cooperative mode: the part of a finished stage that the state warpgroups need (q..aqk_diag
@@ -116,6 +116,9 @@ struct alignas(1024) SharedStorage {
   uint64_t prepped_bar[kStages];  // prep ahead: state (steps 1-3 of the stage's chunk) -> intra
   uint64_t ready_bar[kStages];  // intra -> state
   uint64_t empty_bar[kStages];  // state -> producer
+  // Fused kernels: the state warpgroups have read the M tile (kMTileOffset) of the intra-chunk
+  // warpgroup's last chunk, which may write its scratch again (state -> intra).
+  uint64_t m_tile_empty_bar;
 };
 
 // Intra scratch: the l2-norm reciprocals and the row statistics (steps 1-3), then the fp32
@@ -123,6 +126,11 @@ struct alignas(1024) SharedStorage {
 constexpr int kRnormOffset = 0;                 // float[128]: q rows 0..63, k rows 64..127
 constexpr int kRowStatsOffset = 4096;           // float[3][2][64]: q.q, k.k, q.k per row and half
 constexpr int kDiagOffset = 0;                  // float[4][16][20]
+// Fused kernels (prep ahead): M - I of the chunk last handed to the state warpgroups, bf16 64x64,
+// K-major SW128 (one box) over the whole scratch, from the end of the inverse until the state
+// warpgroups arrive on m_tile_empty_bar (intra_chunk_math.cuh step 8, state_math.cuh (c)).
+constexpr int kMTileOffset = 0;
+static_assert(kMTileOffset + kChunk * kChunk * 2 <= 8192, "the M tile must fit in the intra scratch");
 static_assert(kRowStatsOffset >= 128 * 4 && kRowStatsOffset + 6 * 64 * 4 <= 8192 && 4 * 16 * 20 * 4 <= 8192,
               "intra scratch must fit");
 

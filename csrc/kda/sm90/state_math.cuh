@@ -3,8 +3,12 @@
 // sequence. Per chunk, after the intra-chunk warpgroup has published the stage:
 //
 //   (a) S -> bf16 shared tile (the B operand of the two products below)
-//   (b) P = W S                                    (WGMMA, K = 128)
-//   (c) v_new = U - P  -> bf16 shared tile          (rows past the sequence end are zero already)
+//   (b) X = KG S                                   (WGMMA, K = 128)
+//   (c) Y = beta v - X -> bf16 shared tile; v_new = Y + (M - I) Y (WGMMA, K = 64, the accumulator
+//       starting at Y: the identity term exact; M - I from the intra-chunk warpgroup's M tile,
+//       released to it on m_tile_empty) -> bf16 shared tile (rows past the sequence end are
+//       zero: beta and k are zero there). This is v_new = M (beta v - KG S) = U - W S with M
+//       folded into the chain: the intra-chunk warpgroup, the critical path, forms neither W nor U.
 //   (d) O = QG S + A_qk v_new                       (WGMMA, K = 128 + 64; overlaps (e)); the
 //       diagonal of A_qk is added in fp32 after (e) (d')
 //   (e) S <- diag(exp2(G_last)) S + (k exp2(G_last - G))^T v_new, block by block in Horner form:
@@ -43,6 +47,11 @@ template <bool kLongestFirst, bool kPrepAhead = false, bool kGateInKernel = fals
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   // A_qk v_new in fp16 (shared_storage.cuh).
   constexpr bool kAqkHalf = aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst);
+  // M folded into the chain (the fused kernels: intra_chunk_math.cuh step 8): the stage holds KG
+  // and v instead of W and U, and v_new = M (beta v - KG S).
+  constexpr bool kFoldM = kPrepAhead;
+  // The general gates' prep has one call site only (below).
+  constexpr bool kOneSite = kDecays != Decays::kSafe;
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
   const int warp = tid >> 5, lane = tid & 31;
@@ -60,17 +69,21 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   const int prep_tid = tid + kWarpgroupThreads * half;  // 0..255, feature pair prep_tid % 64
   [[maybe_unused]] GateConstants gc(p, 1.f, make_float2(0.f, 0.f));
   [[maybe_unused]] int gc_head = -1;
-  const auto prep = [&](const PipelineState& at, const WorkTile& t, int c) {
-    if (t.v_head != gc_head) {
+  // One call site (below): each inlined copy of the prep is ~20 KB of code, and the longest-first
+  // kernels ran two of three copies every tile, which measured as instruction-cache misses
+  // (docs/perf-notes.md). Its arguments are scalars chosen by selects, not a tile reference
+  // (a reference chosen between two tiles put them in local memory).
+  const auto prep = [&](const PipelineState& at, int v_head, int rows) {
+    if (v_head != gc_head) {
       float gate_scale;
       float2 gate_bias;
-      gate_parameters<kGateInKernel>(p, t.v_head, prep_tid, gate_scale, gate_bias);
+      gate_parameters<kGateInKernel>(p, v_head, prep_tid, gate_scale, gate_bias);
       gc = GateConstants(p, gate_scale, gate_bias);
-      gc_head = t.v_head;
+      gc_head = v_head;
     }
     StageStorage& st = smem.stage[at.stage];
     cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
-    prep_chunk_ahead<kGateInKernel, kL2Norm, kDecays>(st, smem.state_bf16[0], t.chunk_rows(c), gc, prep_tid);
+    prep_chunk_ahead<kGateInKernel, kL2Norm, kDecays>(st, smem.state_bf16[0], rows, gc, prep_tid);
     cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
   };
   // With prep ahead the warpgroups fetch the next tile at the current one's last chunk (`ahead`)
@@ -94,25 +107,39 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
     const int num_chunks = tile.num_chunks();
+    // Prep ahead: iteration c prepares chunk c + 1 of this tile or, at the last chunk, the next
+    // tile's chunk 0, on the stage after this chunk's (one hot call site). Chunk 0 of a tile whose
+    // previous tile did not prepare it (the first tile, or after an empty next tile) is prepared
+    // before the loop (a cold copy of the prep) or, with kOneSite, by an iteration c = -1 that
+    // does nothing else: the general-gate kernels' prep is ~40 % larger, and one copy of it keeps
+    // them nearer the instruction cache and spills less there, while in the safe-gate kernels the
+    // extra iteration made ptxas spill in the chunk loop (+37 % time; docs/perf-notes.md).
+    int c = 0;
     if constexpr (kPrepAhead) {
-      if (num_chunks > 0 && !first_prepped) prep(pipe, tile, 0);
+      const bool prep_first = num_chunks > 0 && !first_prepped;
+      if constexpr (kOneSite) {
+        if (prep_first) c = -1;
+      } else {
+        if (prep_first) prep(pipe, tile.v_head, tile.chunk_rows(0));
+      }
       first_prepped = false;
     }
-
-    for (int c = 0; c < num_chunks; ++c, pipe.advance()) {
+    for (; c < num_chunks; ++c) {
       if constexpr (kPrepAhead) {
-        PipelineState next = pipe;  // the stage released after chunk c - 1
-        next.advance();
-        if (c + 1 < num_chunks) {
-          prep(next, tile, c + 1);
-        } else {
+        PipelineState at = pipe;  // c >= 0: the stage released after chunk c - 1
+        if (!kOneSite || c >= 0) at.advance();
+        const bool in_tile = c + 1 < num_chunks;
+        bool do_prep = true;
+        if (!in_tile) {
           have_ahead = next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, ahead);
           ahead_fetched = true;
-          if (have_ahead && ahead.num_chunks() > 0) {
-            prep(next, ahead, 0);
-            first_prepped = true;
-          }
+          do_prep = have_ahead && ahead.num_chunks() > 0;
+          first_prepped = do_prep;
         }
+        const int prep_head = in_tile ? tile.v_head : ahead.v_head;
+        const int prep_rows = in_tile ? tile.chunk_rows(c + 1) : ahead.chunk_rows(0);
+        if (do_prep) prep(at, prep_head, prep_rows);
+        if (kOneSite && c < 0) continue;
       }
       // The prep (its wait for the stage's load included; at a tile's start also the previous
       // tile's final state store, the next tile's fetch and its initial state load).
@@ -140,7 +167,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       named_barrier_sync(bar, 128);
 
       timer.mark(1);
-      // (b) P = W S.
+      // (b) P = X = KG S (kFoldM), or W S.
       const uint32_t w_base = smem_u32(st.k), qg_base = smem_u32(st.q);
       float P[32];
 #pragma unroll
@@ -158,25 +185,62 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       fence_accumulators(P);
 
       timer.mark(2);
-      // (c) v_new = U - P -> bf16 tile [64 rows, 64 columns], MN-major B operand.
+      uint8_t* const vn_half = st.v + half * kBoxBytes;
+      if constexpr (kFoldM) {
+        // (c0) Y = beta v - X (fp32 registers; X = KG S from (b)) -> bf16 in the v_new tile, the B
+        // operand of v_new = Y + (M - I) Y: the accumulator starts at Y, so the identity term is
+        // exact and Y's bf16 rounding enters only through M - I.
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const float bi = st.beta[kSubBlock * warp + g4 + 8 * h2];
+#pragma unroll
+          for (int n8 = 0; n8 < 8; ++n8) {
+            const int r = n8 * 4 + h2 * 2;
+            const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
+            const float2 v = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off));
+            P[r] = fmaf(bi, v.x, -P[r]);
+            P[r + 1] = fmaf(bi, v.y, -P[r + 1]);
+            *reinterpret_cast<uint32_t*>(vn_tile + off) = float2_to_bf16x2(P[r], P[r + 1]);
+          }
+        }
+        fence_smem_to_async_proxy();
+        named_barrier_sync(bar, 128);
+        const uint32_t m_base = smem_u32(smem.intra_scratch + kMTileOffset);
+        fence_accumulators(P);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks)
+          wgmma_ss<64, Major::K, Major::MN>(desc_k_major(m_base + ks * 32),
+                                            desc_mn_major(vn_base + ks * 16 * 128, kBoxBytes), P, true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(P);
+        // The M tile is read: the intra-chunk warpgroup may write its scratch again. And every
+        // thread of the warpgroup is done with the Y tile before v_new goes there.
+        cutlass::arch::ClusterBarrier::arrive(&smem.m_tile_empty_bar);
+        named_barrier_sync(bar, 128);
+      }
+      // (c) v_new = U - P (kFoldM: P holds v_new already) -> bf16 tile [64 rows, 64 columns],
+      // MN-major B operand.
       // kAqkHalf: v_new also in fp16, for A_qk v_new with the fp16 A_qk, over this warpgroup's half
-      // of U in the stage (each thread writes exactly the elements it read, so no other thread's
-      // read is overtaken). fp16 has 3 more mantissa bits than bf16 but overflows at 65504 and goes
-      // subnormal below 2^-14, and nothing bounds v: the copy is written unscaled, and the
+      // of U (kFoldM: of v) in the stage (each thread writes exactly the elements it read, so no
+      // other thread's read is overtaken). fp16 has 3 more mantissa bits than bf16 but overflows at
+      // 65504 and goes subnormal below 2^-14, and nothing bounds v: the copy is written unscaled, and the
       // barrier below also reports whether any thread saw a value it cannot hold well (a nonzero
       // max |v_new| of its own outside [2^-10, 2^15); zero rows past a sequence's end do not count).
       // Only then (rare) does the warpgroup take the chunk's exact max and, where it lies outside
       // that range, rewrite the copy scaled by 2^-vn_shift (a power of two, exact).
-      uint8_t* const vn_half = st.v + half * kBoxBytes;
       [[maybe_unused]] float vn_up = 1.f;  // 2^vn_shift
       [[maybe_unused]] float m = 0.f;      // this thread's max |v_new|
 #pragma unroll
       for (int r = 0; r < 32; r += 2) {
         const int n8 = r >> 2, h2 = (r >> 1) & 1;
         const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
-        const float2 u = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off));
-        P[r] = u.x - P[r];  // P holds v_new from here on
-        P[r + 1] = u.y - P[r + 1];
+        if constexpr (!kFoldM) {
+          const float2 u = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off));
+          P[r] = u.x - P[r];  // P holds v_new from here on
+          P[r + 1] = u.y - P[r + 1];
+        }
         *reinterpret_cast<uint32_t*>(vn_tile + off) = float2_to_bf16x2(P[r], P[r + 1]);
         if constexpr (kAqkHalf) {
           *reinterpret_cast<uint32_t*>(vn_half + off) = float2_to_half2(P[r], P[r + 1]);
@@ -201,7 +265,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
           const int shift = (e > 14 || e < -10) ? max(e - 14, -24) : 0;
           if (shift != 0) {
             // O = QG S + A_qk v_new is computed as 2^-shift of itself, from S's tile scaled alike
-            // (P = W S has read it), and scaled back before the store. Each thread rewrites the
+            // ((b) has read it), and scaled back before the store. Each thread rewrites the
             // elements it wrote in (a) and above.
             const float down = __uint_as_float(uint32_t(127 - shift) << 23);
             vn_up = __uint_as_float(uint32_t(127 + shift) << 23);
@@ -327,6 +391,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       // (f) o -> global (the S tile is free again and serves as staging).
       store_output_tile(p, tile, c, O, s_tile, half, tid, bar);
       timer.mark(5);
+      pipe.advance();
     }
     // The slot again rather than kept in registers across the chunk loop.
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
