@@ -6,9 +6,11 @@
 //
 //   slot   loaded by TMA      after the intra-chunk pass            read by
 //   q      q (bf16)           QE = q*e      -> QG = q*exp2(G)        A_qk (intra) -> q~·S (state)
-//   k      k (bf16)           KE = k*e      -> KG -> W = M·KG        A_kk (intra) -> w·S (state)
+//   k      k (bf16)           KE = k*e      -> KG (-> W = M·KG)      A_kk (intra) -> KG·S (state; W·S)
 //   g      g (bf16)           KT = k*f                               A_qk/A_kk (intra), S update (state)
-//   v      v (bf16)           v             -> U = ((M-I)·β)·v + β·v  u (intra) -> v_new (state)
+//   v      v (bf16)           v             (-> U = ((M-I)·β)·v + β·v) β·v (state; U: v_new)
+//   (parenthesised: the cooperative helpers only; the fused kernels hand M - I over in the intra
+//   scratch instead, kMTileOffset, and the state warpgroups form v_new = M (β·v - KG·S))
 //   aqk    -                  A_qk (bf16, masked)                    o (state)
 //          (prep ahead: the prep's scratch until the intra-chunk warpgroup writes A_qk, chunk_prep.cuh)
 //   R      -                  r_b = G at the end of each 16-row block (fp32 [4][128])
