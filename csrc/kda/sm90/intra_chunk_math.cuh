@@ -661,6 +661,8 @@ template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer,
                                             uint64_t* m_tile_empty = nullptr, uint32_t m_tile_phase = 0) {
+  // Steps 1-3 of the warpgroup's own prep write the scratch before the wait for the M tile.
+  static_assert(!kFoldM || kPrepped, "the folded M tile needs the prep done ahead");
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
   float* rnorm = reinterpret_cast<float*>(ws.scratch + kRnormOffset);
@@ -689,8 +691,9 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     intra_attention_matrices<kGeneral>(st, ws.a_ref, warp, lane, aqk, akk);
     timer.mark(2);
     // kFoldM: the M tile of the previous chunk lies over the diagonal-block scratch that step 5
-    // writes; wait until both state warpgroups have read it (chunk_prep.cuh's ring is ahead of
-    // this, so in the steady state this never waits).
+    // writes; wait until both state warpgroups have read it (early in their chain: after S's tile,
+    // X = KG S and Y; the wait is counted in the profile's "mask" phase, which fell from 0.10M to
+    // 0.08M cycles per 128 chunks at B2 with the fold, so it rarely waits long).
     if constexpr (kFoldM) cutlass::arch::ClusterBarrier::wait(m_tile_empty, m_tile_phase);
 
     // Step 5: masks and beta. A_qk -> stage (bf16, strictly lower: its diagonal is st.aqk_diag);
@@ -764,7 +767,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b); thread owns 2 features x 32 rows.
     // For W, beta goes into the right-hand operand KG row by row (rounded per element) rather than
     // into the columns of M, whose unit diagonal would then carry one bf16 rounding of beta_j into
-    // everything row j contributes; U takes it differently (step 8).
+    // everything row j contributes; U takes it differently (step 8). (Fused kernels: KG is the
+    // state warpgroups' operand of X = KG S, same rounding.)
     {
       const int h = tid >> 6, cp = tid & 63;
       const PairColumn addr(cp);
@@ -812,7 +816,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     }
     timer.mark(4);
     // Step 7: M = (I + A)^-1 (unit_lower_inverse.cuh), all products on the tensor cores. Its first
-    // proxy fence and barrier also publish QG/KG to the W/U products below.
+    // proxy fence and barrier also publish QG/KG to the W/U products below (cooperative helpers;
+    // in the fused kernels the fence before `ready` publishes them to the state warpgroups).
     float m[32];
     invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
     timer.mark(5);
@@ -968,7 +973,7 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         }
         timer.mark(0);
         intra_chunk<kGateInKernel, kL2Norm, kDecays, false, kPrepAhead,
-                    aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst), /*kFoldM=*/kPrepAhead>(
+                    aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst), fold_m(kPrepAhead)>(
             p, ws, st, rows, gate_scale, gate_bias, tid, timer, &smem.m_tile_empty_bar, m_tile_phase);
         m_tile_phase ^= 1u;
         // Step 9: hand the stage to the state warpgroups.

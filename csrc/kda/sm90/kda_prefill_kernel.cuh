@@ -1,14 +1,16 @@
 // The fused KDA prefill kernel: one CTA of four warpgroups per (sequence, value head) tile.
 //
 //   warpgroup 0  producer   one warp issues the TMA loads of each chunk into a 2-stage ring
-//   warpgroup 1  intra      gates, cumsum, l2norm, A_qk, A_kk, (I + A_kk)^-1, W, U of chunk c+1
+//   warpgroup 1  intra      A_qk, A_kk, (I + A_kk)^-1 of chunk c+1 (cooperative helpers: also
+//                           gates, cumsum, l2norm, W and U)
 //   warpgroup 2  state      value columns   0..63: v_new, o and the state update of chunk c
 //   warpgroup 3  state      value columns 64..127
 //
 // Hand-offs are mbarriers per stage: full (TMA -> intra), ready (intra -> state), empty (state ->
 // producer). setmaxnreg moves registers from the producer to the math warpgroups. With prep ahead
-// (safe gates: chunk_prep.cuh) the state warpgroups also run steps 1-3 of chunk c+2 (full ->
-// state, then prepped -> intra) before their work on chunk c+1.
+// (the fused kernels: chunk_prep.cuh) the state warpgroups also run steps 1-3 of chunk c+2 (full
+// -> state, then prepped -> intra) before their work on chunk c+1, and (fold_m) take M - I from
+// the intra-chunk warpgroup's scratch, releasing it on m_tile_empty_bar (state -> intra).
 //
 // The cooperative mode (fewer tiles than SMs; kernel_params.cuh: KernelPass) runs one CTA per SM:
 // in the tile owners (cooperative_role in tile_scheduler.cuh) warpgroup 0's producer reads finished
@@ -100,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : (kCoop && coop_role.half >= 0) ? 128 : 256);
     }
     // Fused kernels: both state warpgroups' threads release the M tile (state_math.cuh).
-    if constexpr (kPrepAhead) cutlass::arch::ClusterBarrier::init(&smem.m_tile_empty_bar, 2 * 128);
+    if constexpr (fold_m(kPrepAhead)) cutlass::arch::ClusterBarrier::init(&smem.m_tile_empty_bar, 2 * 128);
     if constexpr (kLongestFirst) {
 #pragma unroll
       for (int s = 0; s < kTileSlots; ++s) {

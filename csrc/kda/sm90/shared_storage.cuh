@@ -27,7 +27,7 @@ namespace cula::kda::sm90 {
 // The four warpgroups of a CTA, by role (warpgroup index = threadIdx.x / 128).
 enum class WarpgroupRole : int {
   kProducer = 0,  // one warp: TMA loads of q, k, v, g and the beta stores (load_producer.cuh)
-  kIntra = 1,     // everything chunk-local: gates, A matrices, inverse, W, U (intra_chunk_math.cuh)
+  kIntra = 1,     // everything chunk-local: gates, A matrices, inverse (and W, U in the cooperative helpers)
   kState0 = 2,    // the recurrence for value columns 0..63 (state_math.cuh)
   kState1 = 3,    // the recurrence for value columns 64..127
 };
@@ -82,6 +82,11 @@ struct alignas(1024) StageStorage {
 // (state_math.cuh). The cooperative owners keep bf16. (The longest-first kernels measured 12-19 %
 // slower with fp16 while their code was past ~172 KB, most likely instruction-cache misses; with
 // one hot call site of the prep, state_math.cuh, they are ~150 KB: docs/perf-notes.md.)
+// M folded into the state chain (intra_chunk_math.cuh step 8, state_math.cuh (c)): the fused
+// kernels (prep ahead). The one switch for the intra-chunk warpgroup (it writes M - I instead of
+// W and U), the state warpgroups (v_new = M (beta v - KG S)) and the kernel (m_tile_empty_bar).
+constexpr bool fold_m(bool prep_ahead) { return prep_ahead; }
+
 constexpr bool aqk_is_half(bool prep_ahead, bool l2norm, bool longest_first) {
   (void)longest_first;
   return prep_ahead && l2norm;
@@ -99,7 +104,7 @@ static_assert(offsetof(StageStorage, aqk_diag) + sizeof(StageStorage::aqk_diag) 
 struct alignas(1024) SharedStorage {
   StageStorage stage[kStages];
 
-  // Intra-chunk scratch (single-buffered: only the intra warpgroup touches it).
+  // Intra-chunk scratch (single-buffered; the state warpgroups read only the M tile there, fold_m).
   alignas(1024) uint8_t inverse_operand[kTileBytes];  // B operands of the inverse's products (tf32)
   // General gates: each (block, feature)'s factor reference, r_b or r_{b-1} (intra_chunk_math.cuh).
   float a_ref[kNumSubBlocks][kHeadDim];
@@ -124,7 +129,8 @@ struct alignas(1024) SharedStorage {
 };
 
 // Intra scratch: the l2-norm reciprocals and the row statistics (steps 1-3), then the fp32
-// diagonal blocks of A_kk / of the inverse (steps 5-7) over them, both dead by then.
+// diagonal blocks of A_kk / of the inverse (steps 5-7) over them, both dead by then; in the fused
+// kernels the M tile (step 8) over those.
 constexpr int kRnormOffset = 0;                 // float[128]: q rows 0..63, k rows 64..127
 constexpr int kRowStatsOffset = 4096;           // float[3][2][64]: q.q, k.k, q.k per row and half
 constexpr int kDiagOffset = 0;                  // float[4][16][20]

@@ -49,7 +49,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   constexpr bool kAqkHalf = aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst);
   // M folded into the chain (the fused kernels: intra_chunk_math.cuh step 8): the stage holds KG
   // and v instead of W and U, and v_new = M (beta v - KG S).
-  constexpr bool kFoldM = kPrepAhead;
+  constexpr bool kFoldM = fold_m(kPrepAhead);
   // The general gates' prep has one call site only (below).
   constexpr bool kOneSite = kDecays != Decays::kSafe;
   const KdaPrefillParams& p = kp.problem;
