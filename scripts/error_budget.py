@@ -22,6 +22,7 @@ Rounding points (bf16 unless said):
   m            the inverse M = (I + A)^-1 as the A operand of W and U
   qg, kg       QG = QE exp2(r_b), KG = beta KE exp2(r_b) (rounded again from QE / KE)
   w, u         W = M KG and U = M (beta v), stored as bf16
+  y            (--fold) Y = beta v - KG S as the bf16 B operand of (M - I) Y
   s            the state S as the bf16 B operand of W S and QG S
   vnew_o       v_new = U - W S as the bf16 operand of A_qk v_new (and of the fp32 diagonal term)
   vnew_s       v_new as the bf16 operand of the state update
@@ -33,6 +34,10 @@ bf16 logits ~ N(0, 1)), B = 1, several heads, no initial state. Usage:
 
     python scripts/error_budget.py [--T 2048] [--heads 4] [--seed 0] [--without bv,vnew_o ...]
                                    [--fp16 aqk,vnew_o ...]
+
+``--fold``: the fused kernels since 03500f6 fold M into the state chain, v_new = Y + (M - I) Y with
+Y = beta v - KG S in fp32 (so no w, u, bv rounding; y and m instead): an extra run of that
+configuration (with ``--fp16`` groups: also with them).
 
 ``--fp16 X,Y``: an extra run of the kernel's configuration with the points X, Y rounded to fp16
 instead of bf16 (3 more mantissa bits; e.g. ``aqk,vnew_o``: A_qk and v_new in fp16 for the product
@@ -54,7 +59,7 @@ except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cula.kda.reference import kda_gate, kda_recurrent_reference  # noqa: E402
 
-POINTS = ("qe", "ke", "kt_a", "kt_s", "bv", "frag", "aqk", "m", "qg", "kg", "w", "u", "s", "vnew_o", "vnew_s", "o")
+POINTS = ("qe", "ke", "kt_a", "kt_s", "bv", "frag", "aqk", "m", "qg", "kg", "w", "u", "y", "s", "vnew_o", "vnew_s", "o")
 C, SB = 64, 16  # chunk, sub-block
 LN2 = math.log(2.0)
 
@@ -69,12 +74,14 @@ def bf(x: torch.Tensor, name: str, on: frozenset[str]) -> torch.Tensor:
 
 
 def chunked(q, k, v, g_ln, beta, scale: float, on: frozenset[str],
-            beta_in_m: bool = False, packed_rescale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            beta_in_m: bool = False, packed_rescale: bool = False,
+            fold: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence, all heads: q, k [T, HV, K] (l2-normalised, fp32 values of the bf16 inputs),
     v [T, HV, V], g_ln natural-log decays [T, HV, K] (fp32), beta [T, HV]. Returns o [T, HV, V]
     and the final state [HV, K, V], rounded at the points in ``on``. ``beta_in_m``: the variant
     U = (M diag(beta)) v, beta folded into the columns of the A operand (rounded with M) instead
-    of into v (no "bv" rounding)."""
+    of into v (no "bv" rounding). ``fold``: M folded into the state chain (state_math.cuh (c)),
+    v_new = Y + (M - I) Y, Y = beta v - KG S in fp32 (the "y" point its bf16 operand copy)."""
     T, HV, K = q.shape
     V = v.shape[2]
     f32 = torch.float32
@@ -129,7 +136,12 @@ def chunked(q, k, v, g_ln, beta, scale: float, on: frozenset[str],
             U = bf(M @ bv, "u", on)
         W = bf(M @ KG, "w", on)
         Sb = bf(S, "s", on)
-        v_new_f = U - W @ Sb
+        if fold:
+            Y = bc[..., None] * vc - KG @ Sb
+            eye = torch.eye(C, dtype=f32)
+            v_new_f = Y + bf(Mf - eye, "m", on) @ bf(Y, "y", on)
+        else:
+            v_new_f = U - W @ Sb
         v_new = bf(v_new_f, "vnew_o", on)
         O = QG @ Sb + A_qk @ v_new + diag[..., None] * v_new
         v_new = bf(v_new_f, "vnew_s", on)
@@ -156,6 +168,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--without", nargs="*", default=[],
                     help="extra runs without a group of points each, e.g. bv,vnew_o")
+    ap.add_argument("--fold", action="store_true",
+                    help="also the fused kernels' configuration with M folded into the state chain")
     ap.add_argument("--fp16", nargs="*", default=[],
                     help="extra runs of the kernel's configuration with a group of points in fp16 each, e.g. aqk,vnew_o")
     args = ap.parse_args()
@@ -179,8 +193,9 @@ def main() -> int:
     kn = F.normalize(k[0].float(), dim=-1, eps=1e-6)
     g_ln = kda_gate(g[0], A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, dtype=torch.float32)
 
-    def run(on: frozenset[str], beta_in_m: bool = False, packed: bool = False) -> tuple[float, float]:
-        o, s = chunked(qn, kn, v[0].float(), g_ln, beta[0], scale, on, beta_in_m, packed)
+    def run(on: frozenset[str], beta_in_m: bool = False, packed: bool = False,
+            fold: bool = False) -> tuple[float, float]:
+        o, s = chunked(qn, kn, v[0].float(), g_ln, beta[0], scale, on, beta_in_m, packed, fold)
         return rel(o, ref_o[0]), rel(s, ref_s[0])
 
     print(f"error_budget: T={T}, HV={HV}, D={D}, seed={args.seed}; relative L2 vs the fp64 recurrence (o / state)")
@@ -209,6 +224,16 @@ def main() -> int:
         res = run(frozenset(POINTS), beta_in_m=True, packed=True)
         FP16.clear()
         print(f"  kernel, fp16 at {group:17s} {res[0]:.2e} / {res[1]:.2e}")
+    if args.fold:  # the fused kernels: M folded, packed rescale (w, u, bv are not formed)
+        fold_on = frozenset(POINTS) - {"w", "u", "bv"}
+        res = run(fold_on, packed=True, fold=True)
+        print(f"  {'fused, M folded':34s} {res[0]:.2e} / {res[1]:.2e}")
+        for group in args.fp16:
+            FP16.clear()
+            FP16.update(group.split(","))
+            res = run(fold_on, packed=True, fold=True)
+            FP16.clear()
+            print(f"  fused, M folded, fp16 at {group:8s} {res[0]:.2e} / {res[1]:.2e}")
     return 0
 
 
