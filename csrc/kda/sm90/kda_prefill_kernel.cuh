@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       // now: every chunk was published, only the helpers' exits are left). Without a
       // programmatic dependency this returns at once.
       asm volatile("griddepcontrol.wait;" ::: "memory");
-    } else {
+    } else if constexpr (kPass == KernelPass::kFused) {  // (the helpers' kernel returned above)
       cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
       run_state_warpgroup<kLongestFirst, kPrepAhead, kGateInKernel, kL2Norm, kDecays>(kp, smem, half);
     }

@@ -42,14 +42,16 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
 // The fused kernel's state warpgroups (the cooperative mode's owners: owner_state_math.cuh).
 // kPrepAhead: both warpgroups also run steps 1-3 of the next chunk (of this tile or,
 // at its last chunk, of the next tile) before they wait for the current one (chunk_prep.cuh).
-template <bool kLongestFirst, bool kPrepAhead = false, bool kGateInKernel = false, bool kL2Norm = false,
+template <bool kLongestFirst, bool kPrepAhead, bool kGateInKernel = false, bool kL2Norm = false,
           Decays kDecays = Decays::kSafe>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   // A_qk v_new in fp16 (shared_storage.cuh).
   constexpr bool kAqkHalf = aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst);
   // M folded into the chain (the fused kernels: intra_chunk_math.cuh step 8): the stage holds KG
   // and v instead of W and U, and v_new = M (beta v - KG S).
-  constexpr bool kFoldM = fold_m(kPrepAhead);
+  // The only caller, the fused kernel, has prep ahead, so M is always folded here (the W / U
+  // hand-off is the cooperative owners', owner_state_math.cuh).
+  static_assert(fold_m(kPrepAhead), "the fused state warpgroups take M folded into their chain");
   // The general gates' prep has one call site only (below).
   constexpr bool kOneSite = kDecays != Decays::kSafe;
   const KdaPrefillParams& p = kp.problem;
@@ -167,7 +169,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       named_barrier_sync(bar, 128);
 
       timer.mark(1);
-      // (b) P = X = KG S (kFoldM), or W S.
+      // (b) P = X = KG S.
       const uint32_t w_base = smem_u32(st.k), qg_base = smem_u32(st.q);
       float P[32];
 #pragma unroll
@@ -186,44 +188,41 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
 
       timer.mark(2);
       uint8_t* const vn_half = st.v + half * kBoxBytes;
-      if constexpr (kFoldM) {
-        // (c0) Y = beta v - X (fp32 registers; X = KG S from (b)) -> bf16 in the v_new tile, the B
-        // operand of v_new = Y + (M - I) Y: the accumulator starts at Y, so the identity term is
-        // exact and Y's bf16 rounding enters only through M - I.
+      // (c0) Y = beta v - X (fp32 registers; X = KG S from (b)) -> bf16 in the v_new tile, the B
+      // operand of v_new = Y + (M - I) Y: the accumulator starts at Y, so the identity term is
+      // exact and Y's bf16 rounding enters only through M - I.
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const float bi = st.beta[kSubBlock * warp + g4 + 8 * h2];
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const float bi = st.beta[kSubBlock * warp + g4 + 8 * h2];
 #pragma unroll
-          for (int n8 = 0; n8 < 8; ++n8) {
-            const int r = n8 * 4 + h2 * 2;
-            const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
-            const float2 v = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off));
-            P[r] = fmaf(bi, v.x, -P[r]);
-            P[r + 1] = fmaf(bi, v.y, -P[r + 1]);
-            *reinterpret_cast<uint32_t*>(vn_tile + off) = float2_to_bf16x2(P[r], P[r + 1]);
-          }
+        for (int n8 = 0; n8 < 8; ++n8) {
+          const int r = n8 * 4 + h2 * 2;
+          const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
+          const float2 v = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off));
+          P[r] = fmaf(bi, v.x, -P[r]);
+          P[r + 1] = fmaf(bi, v.y, -P[r + 1]);
+          *reinterpret_cast<uint32_t*>(vn_tile + off) = float2_to_bf16x2(P[r], P[r + 1]);
         }
-        fence_smem_to_async_proxy();
-        named_barrier_sync(bar, 128);
-        const uint32_t m_base = smem_u32(smem.intra_scratch + kMTileOffset);
-        fence_accumulators(P);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kChunk / 16; ++ks)
-          wgmma_ss<64, Major::K, Major::MN>(desc_k_major(m_base + ks * 32),
-                                            desc_mn_major(vn_base + ks * 16 * 128, kBoxBytes), P, true);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_accumulators(P);
-        // The M tile is read: the intra-chunk warpgroup may write its scratch again. And every
-        // thread of the warpgroup is done with the Y tile before v_new goes there.
-        cutlass::arch::ClusterBarrier::arrive(&smem.m_tile_empty_bar);
-        named_barrier_sync(bar, 128);
       }
-      // (c) v_new = U - P (kFoldM: P holds v_new already) -> bf16 tile [64 rows, 64 columns],
-      // MN-major B operand.
+      fence_smem_to_async_proxy();
+      named_barrier_sync(bar, 128);
+      const uint32_t m_base = smem_u32(smem.intra_scratch + kMTileOffset);
+      fence_accumulators(P);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks)
+        wgmma_ss<64, Major::K, Major::MN>(desc_k_major(m_base + ks * 32),
+                                          desc_mn_major(vn_base + ks * 16 * 128, kBoxBytes), P, true);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(P);
+      // The M tile is read: the intra-chunk warpgroup may write its scratch again. And every
+      // thread of the warpgroup is done with the Y tile before v_new goes there.
+      cutlass::arch::ClusterBarrier::arrive(&smem.m_tile_empty_bar);
+      named_barrier_sync(bar, 128);
+      // (c) v_new (in P) -> bf16 tile [64 rows, 64 columns], MN-major B operand.
       // kAqkHalf: v_new also in fp16, for A_qk v_new with the fp16 A_qk, over this warpgroup's half
-      // of U (kFoldM: of v) in the stage (each thread writes exactly the elements it read, so no
+      // of v in the stage (each thread writes exactly the elements it read, so no
       // other thread's read is overtaken). fp16 has 3 more mantissa bits than bf16 but overflows at
       // 65504 and goes subnormal below 2^-14, and nothing bounds v: the copy is written unscaled, and the
       // barrier below also reports whether any thread saw a value it cannot hold well (a nonzero
@@ -236,11 +235,6 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       for (int r = 0; r < 32; r += 2) {
         const int n8 = r >> 2, h2 = (r >> 1) & 1;
         const uint32_t off = sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4);
-        if constexpr (!kFoldM) {
-          const float2 u = bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off));
-          P[r] = u.x - P[r];  // P holds v_new from here on
-          P[r + 1] = u.y - P[r + 1];
-        }
         *reinterpret_cast<uint32_t*>(vn_tile + off) = float2_to_bf16x2(P[r], P[r + 1]);
         if constexpr (kAqkHalf) {
           *reinterpret_cast<uint32_t*>(vn_half + off) = float2_to_half2(P[r], P[r + 1]);
