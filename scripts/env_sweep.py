@@ -2,8 +2,11 @@
 
     python scripts/env_sweep.py --shapes 1x32768x8,1x65536x4 --env CULA_KDA_SEGMENTS=1,3,4,6
     python scripts/env_sweep.py --shapes 1x8192x64 --env CULA_KDA_COOPERATIVE=0,1
+    python scripts/env_sweep.py --shapes random:10x8192x64 --env CULA_KDA_SCHEDULE=index,longest_first
 
-Each shape is ``BxTxH`` (H = HV, D = 128) with the benchmark's inputs and options
+Each shape is ``BxTxH`` (fixed length) or ``DIST:NxTOTALxH`` (varlen: N sequences summing to
+TOTAL tokens, lengths as in the benchmark's suite, DIST one of uniform, random, skewed); H = HV,
+D = 128, with the benchmark's inputs and options
 (`benchmarks/kda_bench`: gate in kernel with ``lower_bound=-5``, l2norm in kernel, final state
 out; ``--softplus-gate`` for Kimi-Linear's unbounded gate). For every value of the variable the
 script times single eager calls on the same inputs, interleaving the values call by call (so
@@ -28,15 +31,29 @@ for _path in (os.path.join(_REPO, "benchmarks"), _REPO):
         sys.path.insert(0, _path)
 
 from kda_bench.baselines.cula import CulaBaseline  # noqa: E402  (needs the path above)
-from kda_bench.inputs import Options, make_inputs  # noqa: E402
+from kda_bench.inputs import Options, cu_seqlens, make_inputs  # noqa: E402
 from kda_bench.reference import rel_err  # noqa: E402
-from kda_bench.suite import Config  # noqa: E402
+from kda_bench.suite import Config, varlen  # noqa: E402
 
 
-def sweep(B: int, T: int, H: int, name: str, values: list[str], reps: int, opt: Options) -> list[str]:
+def parse_shape(text: str) -> Config:
+    """``BxTxH`` -> a fixed-length row; ``DIST:NxTOTALxH`` -> the suite's varlen row."""
+    dist, sep, dims = text.lower().partition(":")
+    if not sep:
+        dist, dims = "", text.lower()
+    parts = dims.split("x")
+    if len(parts) != 3 or not all(x.isdigit() for x in parts):
+        raise ValueError(f"shape {text!r}: expected BxTxH or DIST:NxTOTALxH")
+    a, b, H = (int(x) for x in parts)
+    if dist:
+        return varlen(dist, a, b, H, H, 128, 0)
+    return Config("fixed", a, b, H, H)
+
+
+def sweep(cfg: Config, name: str, values: list[str], reps: int, opt: Options) -> list[str]:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    inputs = make_inputs(Config("fixed", B, T, H, H), opt, dev, torch.bfloat16, gen, None)
+    inputs = make_inputs(cfg, opt, dev, torch.bfloat16, gen, cu_seqlens(cfg, dev))
     call = CulaBaseline(opt).prepare(inputs)
 
     saved = os.environ.get(name)
@@ -68,7 +85,7 @@ def sweep(B: int, T: int, H: int, name: str, values: list[str], reps: int, opt: 
         t = sorted(times[x])
         mid = t[len(t) // 4: max(len(t) // 4 + 1, 3 * len(t) // 4)]
         o, s = results[x]
-        lines.append(f"B{B} T{T} H{H} {name}={x}: {statistics.median(t):.3f} ms "
+        lines.append(f"{cfg.name} {name}={x}: {statistics.median(t):.3f} ms "
                      f"(middle half {mid[0]:.3f}-{mid[-1]:.3f}), vs {name}={values[0]}: "
                      f"o {rel_err(o, o0):.1e} state {rel_err(s, s0):.1e}")
     return lines
@@ -76,7 +93,7 @@ def sweep(B: int, T: int, H: int, name: str, values: list[str], reps: int, opt: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", required=True, help="comma-separated BxTxH")
+    ap.add_argument("--shapes", required=True, help="comma-separated BxTxH or DIST:NxTOTALxH")
     ap.add_argument("--env", required=True, help="NAME=v1,v2,...")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--softplus-gate", action="store_true", help="Kimi-Linear's gate (safe_gate=False)")
@@ -86,9 +103,12 @@ def main() -> None:
     values = [x for x in vals.split(",") if x]
     if not name or not values:
         ap.error("--env needs NAME=v1,v2,...")
-    for shape in args.shapes.split(","):
-        B, T, H = (int(x) for x in shape.lower().split("x"))
-        for line in sweep(B, T, H, name, values, args.reps, opt):
+    try:
+        cfgs = [parse_shape(shape) for shape in args.shapes.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
+    for cfg in cfgs:
+        for line in sweep(cfg, name, values, args.reps, opt):
             print(line, flush=True)
 
 

@@ -7,7 +7,7 @@ The names: "index" / "longest-first" (the fused kernel's tile schedules), or
 per tile), "-split" / "-split-on-device", "-<k>-tiles-per-owner" or "-<G>-segments". The rules
 (``docs/kernel.md``, ``docs/perf-notes.md`` for the measurements behind the constants):
 
-* longest first for more tiles than SMs with a short mean sequence (fixed-length and safe gates);
+* longest first for more tiles than SMs (safe gates), index order otherwise;
 * cooperative for at most 0.4 x the SMs in tiles (and four chunks of tokens), and up to the SM count
   where the model of owners' chains and helpers beats the fused kernel by 15 %;
 * several tiles per owner (fixed length) where the helpers bound the launch;
@@ -51,12 +51,15 @@ def test_fused_schedules(monkeypatch):
     lens100 = [128] * 100  # 6400 tiles of two chunks
     assert launch(1, 0, 64, lens=lens100) == "longest-first"
     assert launch(1, 0, 64, lens=lens100, general=True) == "index"  # general gates: index order only
-    assert launch(8, 1024, 64) == "index"  # 512 long tiles
+    assert launch(8, 1024, 64) == "longest-first"  # 512 tiles: more than one wave
+    assert launch(1, 0, 64, lens=[819] * 10) == "longest-first"  # long sequences too
+    assert launch(1, 0, 64, lens=[819] * 10, general=True) == "index"
     assert launch(2, 8192, 64) == "index"  # 128 tiles: one per SM
     assert launch(1, 255, 4) == "index"  # fewer than four chunks of tokens
     monkeypatch.setenv("CULA_KDA_SCHEDULE", "index")
     assert launch(1, 0, 64, lens=lens100) == "index"
-    monkeypatch.setenv("CULA_KDA_SCHEDULE", "longest_first")
+    assert launch(8, 1024, 64) == "index"
+    monkeypatch.setenv("CULA_KDA_SCHEDULE", "longest_first")  # the default, where it applies
     assert launch(8, 1024, 64) == "longest-first"
     assert launch(2, 64, 64) == "index"  # 128 tiles do not exceed the SMs
 

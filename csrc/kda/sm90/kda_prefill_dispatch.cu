@@ -239,25 +239,21 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   return plan;
 }
 
-// Tile schedule of the fused kernel (tile_scheduler.cuh). Longest first on one persistent CTA per
-// SM pays off where tiles are short (sequences of a few chunks: a CTA per tile spends a large
-// share of its time starting up, and a persistent CTA overlaps one tile's start with the last
-// one's end) and where lengths are uneven. With long tiles, index order is as well balanced by
-// the hardware and its instantiation runs ~10% faster per chunk (register allocation;
-// docs/perf-notes.md). So: longest first when there is more than one wave of tiles and the mean
-// sequence is shorter than kLongestFirstMaxMeanTokens tokens, else index order.
-// CULA_KDA_SCHEDULE=index or =longest_first (read per call) forces one, where it applies. General
-// gates: index order only (their instantiations; one more template axis would double the
-// longest-first ones for batches of short sequences).
+// Tile schedule of the fused kernel (tile_scheduler.cuh): longest first on one persistent CTA per
+// SM whenever there is more than one wave of tiles, else index order (one CTA per tile). Longest
+// first pays off where tiles are short (a CTA per tile spends a large share of its time starting
+// up; a persistent CTA overlaps one tile's start with the last one's end) and where lengths are
+// uneven (greedy longest-processing-time order instead of the hardware's index order). Since the
+// prep-ahead and fold kernels it is also as fast or faster on long uniform tiles: same-process
+// sweep of 20 rows with 320 to 8192 tiles, -1.6 % (B8 T8192 H64) to -30 % (docs/perf-notes.md),
+// so the earlier mean-length threshold (320 tokens) is gone. CULA_KDA_SCHEDULE=index (read per
+// call) forces index order. General gates: index order only (their instantiations; one more
+// template axis would double the longest-first ones).
 bool longest_first_schedule(const KdaPrefillParams& p, int sm_count) {
   if (p.general_gates) return false;
-  const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
   const bool force_index = env_is("CULA_KDA_SCHEDULE", "index");
-  const bool force_longest_first = env_is("CULA_KDA_SCHEDULE", "longest_first");
-  const bool short_sequences = tokens < int64_t(sm90::kLongestFirstMaxMeanTokens) * p.num_seqs;
-  return !force_index && num_tiles > sm_count && num_tiles <= INT_MAX && p.num_seqs <= sm90::kSortMaxSeqs &&
-         (short_sequences || force_longest_first);
+  return !force_index && num_tiles > sm_count && num_tiles <= INT_MAX && p.num_seqs <= sm90::kSortMaxSeqs;
 }
 
 cudaError_t device_sm_count(int* sm_count) {

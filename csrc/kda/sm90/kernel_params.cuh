@@ -10,9 +10,6 @@
 namespace cula::kda::sm90 {
 
 constexpr int kSortMaxSeqs = 4096;  // sequences the longest-first schedule sorts (tile_scheduler.cuh)
-// The host picks the longest-first schedule for batches whose mean sequence is shorter than this
-// (and that have more tiles than SMs); measured in docs/perf-notes.md.
-constexpr int kLongestFirstMaxMeanTokens = 320;
 
 // Global workspace of the longest-first schedule, one per (device, stream), allocated and zeroed
 // once by the host (kda_prefill_dispatch.cu). The kernel hands out tiles with an atomic counter
