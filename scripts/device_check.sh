@@ -17,7 +17,10 @@
 #   OUT=/path bash scripts/device_check.sh       (OUT defaults to ./device_out)
 # Env: SKIP_WHEELS=1 SKIP_BUILD=1 SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1 skip a stage; COMMIT=<sha> names the
 # commit when .git did not travel; PYTHON (default python3); MAX_JOBS (default 16);
-# BENCH_ARGS (default "--quick"); PYTEST_ARGS (default "-v --tb=short": every test named in the log; no -x, so one failure does not hide the rest).
+# BENCH_ARGS (default "--quick"); TRITON_CACHE_DIR (default ./.triton_cache, git-ignored: FLA 0.6.0
+# stores its Triton autotuning results there, and the bench stage packs them, the *.autotune.json
+# files only, into $OUT/triton_autotune.tgz; unpacked into ./.triton_cache and carried to the next
+# device call, they spare FLA's autotuning, ~10-100 s per new shape); PYTEST_ARGS (default "-v --tb=short": every test named in the log; no -x, so one failure does not hide the rest).
 # TEST_GROUPS: ';'-separated pytest targets run as parallel processes, e.g.
 #   TEST_GROUPS="tests/test_sm90.py -k grid;tests/test_sm90.py -k 'not grid';tests/test_serving.py tests/test_cooperative.py tests/test_op.py;tests/test_fla_backend.py tests/test_build.py tests/test_bench.py"
 # (logs gpu_tests_<i>.log, error_table_<i>.md; the quotes inside a group are not parsed: use -k expressions without spaces or split groups by file).
@@ -29,6 +32,7 @@ OUT=${OUT:-$PWD/device_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
 export MAX_JOBS=${MAX_JOBS:-16}
 T0=$SECONDS
 SUMMARY=()
@@ -213,6 +217,8 @@ else
   COMMIT="$COMMIT_ID" $PY benchmarks/bench_serving.py --json "$OUT/bench_serving.json" --md "$OUT/bench_serving.md" 2>&1 |
     tee -a "$OUT/bench.log"
   rc_serving=${PIPESTATUS[0]}
+  # FLA's autotuning results (a few KB): the next session carries them back (see Env above).
+  (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$OUT/triton_autotune.tgz" -T -) || true
   if ((rc == 0 && rc_serving == 0)); then
     record bench ok $((SECONDS - S0)) "$OUT/bench.json $OUT/bench.md $OUT/bench_serving.md"
   else
