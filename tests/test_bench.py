@@ -493,3 +493,24 @@ def test_softplus_gate_option() -> None:
     gen = torch.Generator().manual_seed(0)
     x = make_inputs(Config("fixed", 1, 4096, 4, 4), opt, torch.device("cpu"), torch.bfloat16, gen, None)
     assert 1.7 < float(x.g.float().std()) < 2.3 and x.A_log.shape == (4,) and x.A_log.dtype == torch.float32
+
+
+def test_env_sweep_shapes():
+    """scripts/env_sweep.py's shapes: BxTxH is a fixed-length row, DIST:NxTOTALxH the suite's
+    varlen row of that distribution (the same lengths as the benchmark's row of that name)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("env_sweep", os.path.join(ROOT, "scripts", "env_sweep.py"))
+    env_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(env_sweep)
+    fixed = env_sweep.parse_shape("2x8192x64")
+    assert (fixed.B, fixed.T, fixed.H, fixed.HV, fixed.lens) == (2, 8192, 64, 64, None)
+    row = env_sweep.parse_shape("random:10x8192x64")
+    suite_row = next(c for c in build_suite("targets") if c.name.startswith("varlen random"))
+    assert row.name == suite_row.name == "varlen random N10 T8192 H64"
+    assert row.lens == suite_row.lens and sum(row.lens) == 8192 and len(row.lens) == 10
+    assert env_sweep.parse_shape("Uniform:4x32768x8").lens == (8192,) * 4
+    for bad in ("2x8192", "random:10x8192", "2x8192x64x1", "random:ax8192x64"):
+        with pytest.raises(ValueError, match="expected BxTxH or DIST:NxTOTALxH"):
+            env_sweep.parse_shape(bad)
+    with pytest.raises(ValueError, match="unknown varlen distribution"):
+        env_sweep.parse_shape("zipf:10x8192x64")
