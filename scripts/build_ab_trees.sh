@@ -44,7 +44,11 @@ for spec in "$@"; do
     { tail -20 "$WORK/build-$name.log"; exit 1; }
   if grep -q "C75[0-9][0-9]" "$WORK/build-$name.log"; then
     echo "build_ab_trees: $name: ptxas serialized WGMMAs (C75xx):" >&2
-    grep "C75[0-9][0-9]" "$WORK/build-$name.log" | head -3 >&2
+    # every kernel once, by its template arguments (from the mangled name): (gate in kernel, l2norm, longest
+    # first, pass, decays), e.g. "1 1 0 pass0 decays1: C7512"
+    grep -o "(C75[0-9][0-9]).*_ZN[A-Za-z0-9_]*" "$WORK/build-$name.log" |
+      sed -E 's/^\((C75[0-9]+)\).*ILb([01])ELb([01])ELb([01])ELNS1_10KernelPassE([0-9])ELNS1_6DecaysE([0-9]).*/  \2 \3 \4 pass\5 decays\6: \1/' |
+      sort -u >&2
   fi
   mkdir -p "$WORK/pack/$name"
   cp "$WORK/build-$name/kda_standalone" "$WORK/build-$name/libcula_kda_sm90.so" "$WORK/pack/$name/"
