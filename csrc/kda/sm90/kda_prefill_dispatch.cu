@@ -245,7 +245,7 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
 // up; a persistent CTA overlaps one tile's start with the last one's end) and where lengths are
 // uneven (greedy longest-processing-time order instead of the hardware's index order). Since the
 // prep-ahead and fold kernels it is also as fast or faster on long uniform tiles: same-process
-// sweep of 20 rows with 320 to 8192 tiles, -1.6 % (B8 T8192 H64) to -30 % (docs/perf-notes.md),
+// sweep of 20 rows with 320 to 8192 tiles: -1.2 % (long uniform tiles) to -30 % (docs/perf-notes.md),
 // so the earlier mean-length threshold (320 tokens) is gone. CULA_KDA_SCHEDULE=index (read per
 // call) forces index order. General gates: index order only (their instantiations; one more
 // template axis would double the longest-first ones).
