@@ -247,10 +247,8 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
 // prep-ahead and fold kernels it is also as fast or faster on long uniform tiles: same-process
 // sweep of 20 rows with 320 to 8192 tiles: -1.2 % (long uniform tiles) to -30 % (docs/perf-notes.md),
 // so the earlier mean-length threshold (320 tokens) is gone. CULA_KDA_SCHEDULE=index (read per
-// call) forces index order. General gates: index order only (their instantiations; one more
-// template axis would double the longest-first ones).
+// call) forces index order. General gates too (their own longest-first instantiations).
 bool longest_first_schedule(const KdaPrefillParams& p, int sm_count) {
-  if (p.general_gates) return false;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
   const bool force_index = env_is("CULA_KDA_SCHEDULE", "index");
   return !force_index && num_tiles > sm_count && num_tiles <= INT_MAX && p.num_seqs <= sm90::kSortMaxSeqs;
@@ -364,9 +362,20 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   }
 
   if (p.general_gates) {
-    const int grid = int(std::min<int64_t>(num_tiles, INT_MAX));
     constexpr auto kFusedPass = sm90::KernelPass::kFused;
     constexpr auto kGen = sm90::Decays::kGeneral, kSoft = sm90::Decays::kGeneralSoftplus;
+    if (longest_first_schedule(p, sm_count)) {
+      if ((err = schedule_workspace(device, stream, &kp.schedule)) != cudaSuccess) return err;
+      if (p.use_gate_in_kernel && p.gate_softplus)
+        return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, true, kFusedPass, kSoft>(kp, sm_count, stream)
+                               : sm90::launch_kda_prefill_kernel<true, false, true, kFusedPass, kSoft>(kp, sm_count, stream);
+      if (p.use_gate_in_kernel)
+        return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, true, kFusedPass, kGen>(kp, sm_count, stream)
+                               : sm90::launch_kda_prefill_kernel<true, false, true, kFusedPass, kGen>(kp, sm_count, stream);
+      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, true, kFusedPass, kGen>(kp, sm_count, stream)
+                             : sm90::launch_kda_prefill_kernel<false, false, true, kFusedPass, kGen>(kp, sm_count, stream);
+    }
+    const int grid = int(std::min<int64_t>(num_tiles, INT_MAX));
     if (p.use_gate_in_kernel && p.gate_softplus)
       return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, kFusedPass, kSoft>(kp, grid, stream)
                              : sm90::launch_kda_prefill_kernel<true, false, false, kFusedPass, kSoft>(kp, grid, stream);

@@ -1,0 +1,7 @@
+// One instantiation per file so the kernel variants compile in parallel. General gates
+// (safe_gate=False): the exact path for wide (block, feature) spans.
+#include "../kda_prefill_launch.cuh"
+
+namespace cula::kda::sm90 {
+template cudaError_t launch_kda_prefill_kernel<false, false, true, KernelPass::kFused, Decays::kGeneral>(const KdaKernelParams&, int, cudaStream_t);
+}  // namespace cula::kda::sm90
