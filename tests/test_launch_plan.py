@@ -50,10 +50,10 @@ def launch(B: int, T: int, H: int, HV: int | None = None, *, lens: list[int] | N
 def test_fused_schedules(monkeypatch):
     lens100 = [128] * 100  # 6400 tiles of two chunks
     assert launch(1, 0, 64, lens=lens100) == "longest-first"
-    assert launch(1, 0, 64, lens=lens100, general=True) == "index"  # general gates: index order only
+    assert launch(1, 0, 64, lens=lens100, general=True) == "longest-first"  # general gates alike
     assert launch(8, 1024, 64) == "longest-first"  # 512 tiles: more than one wave
     assert launch(1, 0, 64, lens=[819] * 10) == "longest-first"  # long sequences too
-    assert launch(1, 0, 64, lens=[819] * 10, general=True) == "index"
+    assert launch(1, 0, 64, lens=[819] * 10, general=True) == "longest-first"
     assert launch(2, 8192, 64) == "index"  # 128 tiles: one per SM
     assert launch(1, 255, 4) == "index"  # fewer than four chunks of tokens
     monkeypatch.setenv("CULA_KDA_SCHEDULE", "index")
