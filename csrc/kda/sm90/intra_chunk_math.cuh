@@ -655,7 +655,8 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 // kPrepped (the fused kernel): steps 1-3 are done already, by the state warpgroups
 // (chunk_prep.cuh); the chain starts at the A products (general gates: after rebuilding a_ref).
 //
-// kAqkHalf (shared_storage.cuh: aqk_is_half): A_qk goes to the stage in fp16.
+// kAqkHalf (shared_storage.cuh: aqk_is_half, coop_aqk_is_half): A_qk goes to the stage in fp16
+// (with kFoldDecay KT' too: the cooperative owners' operands of A_qk v_new and the state update).
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false,
           bool kPrepped = false, bool kAqkHalf = false, bool kFoldM = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
@@ -797,7 +798,11 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) {
             const float2 kt = bf16x2_to_float2(gx[ii]);
-            st_bf16x2(st.g, addr(row0 + ii), kt.x * f0, kt.y * f1);
+            // kAqkHalf: the owners take the state update in fp16 (owner_state_math.cuh); KT' <= 1
+            if constexpr (kAqkHalf)
+              *reinterpret_cast<uint32_t*>(st.g + addr(row0 + ii)) = float2_to_half2(kt.x * f0, kt.y * f1);
+            else
+              st_bf16x2(st.g, addr(row0 + ii), kt.x * f0, kt.y * f1);
           }
         }
 #pragma unroll
@@ -946,7 +951,8 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           gate_head = v_head;
         }
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kDecays, true>(p, ws, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kDecays, /*kFoldDecay=*/true, /*kPrepped=*/false, coop_aqk_is_half(kL2Norm)>(
+            p, ws, st, rows, gate_scale, gate_bias, tid, timer);
         fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
       }
       cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer (also the end mark)

@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     if (kCoop && coop_role.half >= 0 && half != coop_role.half) return;
     if constexpr (kCoop) {
       cutlass::arch::warpgroup_reg_alloc<kOwnerStateRegs>();
-      run_owner_state_warpgroup(kp, smem, half, coop_role);
+      run_owner_state_warpgroup<coop_aqk_is_half(kL2Norm)>(kp, smem, half, coop_role);
       // Two-kernel form: the launch's end (what the stream's next work waits for) must follow
       // the helpers' last writes too, so wait for the helpers' kernel to complete (at once by
       // now: every chunk was published, only the helpers' exits are left). Without a

@@ -13,14 +13,16 @@
 //   (b) P^T = S^T W^T                   [64 v x 64 c]   B = W (K-major)         8 WGMMA, N = 64
 //   (c) v_new^T = U^T - P^T            U^T by ldmatrix.trans from the stage's U tile -> bf16 A fragments
 //   (d) O^T = S^T QG^T + v_new^T A_qk^T [64 v x 64 i]   B = QG, A_qk (K-major)  12 WGMMA, N = 64
-//       (the S^T QG^T part issued right after (b), so it runs while v_new is formed)
+//       (the S^T QG^T part issued right after (b), so it runs while v_new is formed; with l2norm
+//       the v_new^T A_qk^T part in fp16, and (e) too: coop_aqk_is_half)
 //   (e) S^T += v_new^T KT'             [64 v x 128 k]  B = KT' (MN-major)      4 WGMMA, N = 128
 //       (KT' = k exp2(G_last - G) <= 1: the helper folded the block decays into KT)
 //   (d') O^T += v_new^T diag(A_qk) in fp32 (the bf16 A_qk tile has zeros on its diagonal)
 //   (f) o = scale O -> staging by stmatrix.trans (rows i, columns v) -> 16-byte global stores
 //
-// Same operands and the same bf16 rounding points as the fused state warpgroups, so the results
-// match the fused kernel's within the cooperative tests' tolerance; the one barrier per chunk left
+// The fused state warpgroups' operands except that W and U are formed here (they fold M into the
+// chain instead) and, where l2norm bounds A_qk, the same fp16 A_qk v_new, so the results match
+// the fused kernel's within the cooperative tests' tolerance; the one barrier per chunk left
 // is the output staging's (two staging buffers alternate, so no second barrier is needed).
 // Registers: S^T (64) + its fragments (32) + P^T (32) + O^T (32) + v_new^T fragments (16) live
 // at once, more than the fused state warpgroups' 160; an owner CTA has no intra-chunk work, so its
@@ -90,6 +92,11 @@ __device__ __forceinline__ void accumulator_to_fragments(const float (&acc)[N], 
 // One chunk of the owner's chain (steps (a)-(f) above) on the stage `pipe` points at, which it
 // waits for and releases. with_u: U from the stage (false: the P chain, U = 0); with_out: O^T and
 // the output rows of chunk c (false: the chain alone, for a segment's Q or P).
+// kAqkHalf (shared_storage.cuh: coop_aqk_is_half): the helpers wrote A_qk and KT' in fp16, and
+// (d) and (e) take v_new^T as fp16 fragments (8x finer than bf16; range handling as the fused
+// kernels' fp16 A_qk v_new in state_math.cuh: a warpgroup-uniform power-of-two scale where
+// max |v_new| leaves [2^-10, 2^15)).
+template <bool kAqkHalf>
 __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, SharedStorage& smem, const PipelineState& pipe,
                                                  float (&St)[64], const WorkTile& tile, int c, bool with_u,
                                                  bool with_out, uint8_t* staging, NamedBarrierId bar, int half,
@@ -147,7 +154,16 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
   // `half`. ldmatrix.trans of the 8x8 block (rows c0.., columns v0..) gives the accumulator
   // pair (v0 + g4, c0 + 2 t4 .. +1) of U^T: for k-step ks and fragment r, v0 = 16 w + 8 (r & 1),
   // c0 = 16 ks + 8 (r >> 1); lanes 8 r .. 8 r + 7 address that block's rows.
+  // v_new^T = U^T - P^T as A fragments va: bf16, or kAqkHalf fp16 (then A_qk and KT' are fp16 in
+  // the stage too, so (d) and (e) both take fp16). fp16 has 3 more mantissa bits than bf16 but
+  // overflows at 65504 and goes subnormal below 2^-14: each thread takes its max |v_new|, and where
+  // any thread's lies outside [2^-10, 2^15) (rare; the test is warpgroup-uniform, as in
+  // state_math.cuh) the warpgroup redoes va from the fp32 values times 2^-shift and scales the
+  // accumulators they feed alike (S^T before (e), O^T's first batch once it is done), and back
+  // after.
   uint32_t va[kChunk / 16][4];
+  [[maybe_unused]] float vn_up = 1.f;
+  const auto pack = [](float x, float y) { return kAqkHalf ? float2_to_half2(x, y) : float2_to_bf16x2(x, y); };
   if (with_u) {
     const uint32_t u_base = smem_u32(st.v + half * kBoxBytes);
     const int r = lane >> 3;
@@ -160,14 +176,53 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float2 uf = bf16x2_to_float2(u[q]);
-        va[ks][q] = float2_to_bf16x2(uf.x - Pt[8 * ks + 2 * q], uf.y - Pt[8 * ks + 2 * q + 1]);
+        Pt[8 * ks + 2 * q] = uf.x - Pt[8 * ks + 2 * q];
+        Pt[8 * ks + 2 * q + 1] = uf.y - Pt[8 * ks + 2 * q + 1];
       }
     }
   } else {  // the P chain: U = 0
 #pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks)
+    for (int r = 0; r < 32; ++r) Pt[r] = -Pt[r];
+  }
+  // Pt now holds v_new^T.
 #pragma unroll
-      for (int q = 0; q < 4; ++q) va[ks][q] = float2_to_bf16x2(-Pt[8 * ks + 2 * q], -Pt[8 * ks + 2 * q + 1]);
+  for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) va[ks][q] = pack(Pt[8 * ks + 2 * q], Pt[8 * ks + 2 * q + 1]);
+  if constexpr (kAqkHalf) {
+    float m = 0.f;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) m = fmaxf(m, fabsf(Pt[r]));
+    const bool out_of_range = m >= 32768.f || (m > 0.f && m < 0x1p-10f);
+    if (named_barrier_sync_any(bar, 128, out_of_range)) {  // uniform over the warpgroup
+#pragma unroll
+      for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+      if (lane == 0) st.vnew_max[half][warp] = m;
+      named_barrier_sync(bar, 128);
+      const float mx = fmaxf(fmaxf(st.vnew_max[half][0], st.vnew_max[half][1]),
+                             fmaxf(st.vnew_max[half][2], st.vnew_max[half][3]));
+      // As state_math.cuh: the max into [2^14, 2^15) from above, or up by 2^24 from below 2^-10.
+      const int e = int((__float_as_uint(mx) >> 23) & 0xffu) - 127;
+      const int shift = (e > 14 || e < -10) ? max(e - 14, -24) : 0;
+      if (shift != 0) {
+        const float down = __uint_as_float(uint32_t(127 - shift) << 23);
+        vn_up = __uint_as_float(uint32_t(127 + shift) << 23);
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) va[ks][q] = pack(Pt[8 * ks + 2 * q] * down, Pt[8 * ks + 2 * q + 1] * down);
+#pragma unroll
+        for (int r = 0; r < 64; ++r) St[r] *= down;
+        if (with_out) {
+          wgmma_wait<0>();  // the S^T QG^T batch, before its accumulator is scaled
+          fence_accumulators(Ot);
+#pragma unroll
+          for (int r = 0; r < 32; ++r) Ot[r] *= down;
+        }
+      }
+      // Every thread has read the maxima before a later chunk's are written.
+      named_barrier_sync(bar, 128);
+    }
   }
   timer.mark(2);
 
@@ -178,19 +233,32 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
   wgmma_fence();
   if (with_out) {
 #pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks) wgmma_rs<64, Major::K>(va[ks], desc_k_major(aqk_base + ks * 32), Ot, true);
+    for (int ks = 0; ks < kChunk / 16; ++ks) {
+      if constexpr (kAqkHalf)
+        wgmma_rs_f16<64, Major::K>(va[ks], desc_k_major(aqk_base + ks * 32), Ot, true);
+      else
+        wgmma_rs<64, Major::K>(va[ks], desc_k_major(aqk_base + ks * 32), Ot, true);
+    }
   }
 #pragma unroll
-  for (int ks = 0; ks < kChunk / 16; ++ks)
-    wgmma_rs<128, Major::MN>(va[ks], desc_mn_major(kt_base + ks * kSubBlock * 128, kBoxBytes), St, true);
+  for (int ks = 0; ks < kChunk / 16; ++ks) {
+    if constexpr (kAqkHalf)
+      wgmma_rs_f16<128, Major::MN>(va[ks], desc_mn_major(kt_base + ks * kSubBlock * 128, kBoxBytes), St, true);
+    else
+      wgmma_rs<128, Major::MN>(va[ks], desc_mn_major(kt_base + ks * kSubBlock * 128, kBoxBytes), St, true);
+  }
   wgmma_commit();
   wgmma_wait<0>();
   fence_accumulators(Ot);
   fence_accumulators(St);
+  if (kAqkHalf && vn_up != 1.f) {
+#pragma unroll
+    for (int r = 0; r < 64; ++r) St[r] *= vn_up;
+  }
   timer.mark(3);
 
-  // (d') O^T[v, i] += A_qk[i, i] v_new^T[v, i] (bf16 v_new, as in the product), then the stage
-  // is no longer read: release it.
+  // (d') O^T[v, i] += A_qk[i, i] v_new^T[v, i] (v_new as the product took it, then kAqkHalf: O^T
+  // scaled back), then the stage is no longer read: release it.
   if (with_out) {
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks)
@@ -198,10 +266,14 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
       for (int q = 0; q < 4; ++q) {
         const int i = 16 * ks + 8 * (q >> 1) + 2 * t4;
         const float2 d = *reinterpret_cast<const float2*>(&st.aqk_diag[i]);
-        const float2 vn = bf16x2_to_float2(va[ks][q]);
+        const float2 vn = kAqkHalf ? half2_to_float2(va[ks][q]) : bf16x2_to_float2(va[ks][q]);
         Ot[8 * ks + 2 * q] = fmaf(d.x, vn.x, Ot[8 * ks + 2 * q]);
         Ot[8 * ks + 2 * q + 1] = fmaf(d.y, vn.y, Ot[8 * ks + 2 * q + 1]);
       }
+    if (kAqkHalf && vn_up != 1.f) {
+#pragma unroll
+      for (int r = 0; r < 32; ++r) Ot[r] *= vn_up;
+    }
   }
   cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
   if (!with_out) {
@@ -296,6 +368,7 @@ __device__ __forceinline__ void segment_fixup(const float* s_in, const float* pt
   }
 }
 
+template <bool kAqkHalf>
 __device__ __forceinline__ void run_owner_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half,
                                                           const CooperativeRole& role) {
   const KdaPrefillParams& p = kp.problem;
@@ -317,7 +390,7 @@ __device__ __forceinline__ void run_owner_state_warpgroup(const KdaKernelParams&
     float St[64];
     auto chain = [&](bool with_u, bool with_out) {
       for (int c = range.begin; c < range.end; ++c, pipe.advance())
-        owner_chunk_step(p, smem, pipe, St, tile, c, with_u, with_out, staging, bar, half, tid, timer);
+        owner_chunk_step<kAqkHalf>(p, smem, pipe, St, tile, c, with_u, with_out, staging, bar, half, tid, timer);
     };
     if (role.p_chain) {  // P^T of this segment, this half's rows: the chain from S^T = I with U = 0
       const int g4 = lane >> 2, t4 = lane & 3;

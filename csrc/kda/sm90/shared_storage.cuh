@@ -91,6 +91,9 @@ constexpr bool aqk_is_half(bool prep_ahead, bool l2norm, bool longest_first) {
   (void)longest_first;
   return prep_ahead && l2norm;
 }
+// The cooperative mode (helpers write the stage, owners take A_qk v_new with v_new^T from registers,
+// owner_state_math.cuh): the same fp16 A_qk where l2norm bounds it. The one switch for both sides.
+constexpr bool coop_aqk_is_half(bool l2norm) { return l2norm; }
 
 // Cooperative mode: the part of a finished stage that the state warpgroups need (q..aqk_diag
 // above, in shared-memory byte layout, swizzle included), copied to and from global memory as

@@ -117,6 +117,15 @@ __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b
   static_assert(N == 16 || N == 64 || N == 128, "unsupported WGMMA N");
   detail::gmma_rs<Atom>(a, desc_b, d, accumulate ? ScaleOut::One : ScaleOut::Zero, std::make_index_sequence<N / 2>{});
 }
+// D[64 x N] (+)= A[64 x 16] (registers, fp16 K-major fragment) * B[16 x N] (shared memory, fp16).
+template <int N, Major MajorB>
+__device__ __forceinline__ void wgmma_rs_f16(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N / 2], bool accumulate) {
+  using namespace cute::SM90::GMMA;
+  using Atom = std::conditional_t<N == 64, MMA_64x64x16_F32F16F16_RS<Major::K, MajorB>,
+                                  MMA_64x128x16_F32F16F16_RS<Major::K, MajorB>>;
+  static_assert(N == 64 || N == 128, "unsupported WGMMA N");
+  detail::gmma_rs<Atom>(a, desc_b, d, accumulate ? ScaleOut::One : ScaleOut::Zero, std::make_index_sequence<N / 2>{});
+}
 __device__ __forceinline__ void wgmma_rs_n16(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[8], bool accumulate) {
   wgmma_rs<16, Major::K>(a, desc_b, d, accumulate);
 }
