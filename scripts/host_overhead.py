@@ -10,7 +10,10 @@ its host time):
 * the whole call;
 * the binding alone: the extension's ``kda_prefill_sm90`` with the same, already prepared
   arguments (its argument checks, the TMA descriptors, the launch);
-* the validation and plan alone (``cula.kda.prefill._plan``), if the module exposes it;
+* the same with the argument rules run on every call (``cula.kda.prefill._VALIDATED`` not
+  consulted), if the module has it;
+* the eager time as the benchmark takes it (synchronise, event, call, event), with and without
+  the remembered validation, interleaved call by call;
 
 then prints the ten most expensive functions of a cProfile of 300 whole calls.
 """
@@ -63,6 +66,34 @@ def main() -> int:
     print(f"host_overhead: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
           f"B{B} T{T} H{H}", flush=True)
     print(f"whole call: {_median_us(whole):.1f} us", flush=True)
+
+    from cula.kda import prefill as prefill_mod
+
+    signature = getattr(prefill_mod, "_signature", None)
+
+    def set_memo(on: bool) -> None:
+        if signature is not None:
+            prefill_mod._signature = signature if on else (lambda *a, **kw: None)
+
+    if signature is not None:
+        set_memo(False)
+        print(f"whole call, rules on every call: {_median_us(whole):.1f} us", flush=True)
+        set_memo(True)
+        ev = {on: [] for on in (True, False)}
+        for i in range(400):
+            on = i % 2 == 0
+            set_memo(on)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            whole()
+            end.record()
+            torch.cuda.synchronize()
+            ev[on].append(start.elapsed_time(end))
+        set_memo(True)
+        print(f"eager ms (bench method, 200 calls each, interleaved): validation remembered "
+              f"{statistics.median(ev[True]):.4f}, rules on every call {statistics.median(ev[False]):.4f}",
+              flush=True)
 
     o = torch.empty_like(v)
     fs = torch.empty(B, H, D, D, device=dev)

@@ -599,3 +599,118 @@ def test_sm90_refuses_sizes_past_32_bits(case) -> None:
                                       v[:, :8] if case == "T" else v[:8] if case == "B" else v,
                                       8 if case == "B" else 1 if case == "T" else 2**20, True,
                                       prefix="")
+
+
+# ----------------------------------------------------------------------------------------------
+# remembered validation (prefill._VALIDATED): a signature that passed skips the argument rules,
+# and every call that differs in something a rule reads still gets the rules
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_memo():
+    prefill_mod._VALIDATED.clear()
+    yield prefill_mod._VALIDATED
+    prefill_mod._VALIDATED.clear()
+
+
+def _count_rule_runs(monkeypatch) -> list[int]:
+    runs: list[int] = []
+    real = prefill_mod._validate_call
+
+    def counting(*args: Any, **kwargs: Any):
+        runs.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prefill_mod, "_validate_call", counting)
+    return runs
+
+
+def test_validation_remembered_per_signature(fresh_memo, monkeypatch, seed) -> None:
+    runs = _count_rule_runs(monkeypatch)
+    kw = _gate(output_final_state=True)
+    o1, s1 = kda_prefill(**kw)
+    assert len(runs) == 1 and len(fresh_memo) == 1
+    kw2 = _gate(output_final_state=True)  # new tensors, same signature: no rule runs
+    o2, s2 = kda_prefill(**kw2)
+    assert len(runs) == 1
+    ref, ref_s = kda_prefill(**{**kw2, "backend": "auto"})  # a new option value: a miss
+    assert len(runs) == 2
+    assert torch.equal(o2, ref) and torch.equal(s2, ref_s)
+    for change in (dict(scale=0.5), dict(output_final_state=False), dict(lower_bound=-4.0),
+                   dict(state_layout="vk"), dict(use_qk_l2norm_in_kernel=True)):
+        kda_prefill(**{**kw2, **change})
+    assert len(runs) == 7 and len(fresh_memo) == 7
+    # the remembered scale is the caller's (None -> K ** -0.5), not a stale one
+    half, _ = kda_prefill(**{**kw2, "scale": 0.5})
+    assert len(runs) == 7 and not torch.equal(half, o2)
+
+
+#: Valid-call changes that break exactly one rule without changing anything else the signature
+#: holds besides the broken property: each must still raise after the valid call was remembered.
+REMEMBERED_THEN_BROKEN: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]], type[BaseException], str]] = [
+    ("bool-as-int", lambda kw: {**kw, "output_final_state": 1}, TypeError, "output_final_state"),
+    ("bool-as-int-l2norm", lambda kw: {**kw, "use_qk_l2norm_in_kernel": 0}, TypeError,
+     "use_qk_l2norm_in_kernel"),
+    ("lower-bound-out-of-range", lambda kw: {**kw, "lower_bound": -6.0}, ValueError, "lower_bound"),
+    ("lower-bound-as-int", lambda kw: {**kw, "lower_bound": -5}, None, ""),  # valid, a new entry
+    ("scale-zero", lambda kw: {**kw, "scale": 0.0}, ValueError, "scale"),
+    ("scale-nan", lambda kw: {**kw, "scale": float("nan")}, ValueError, "scale"),
+    ("k-on-meta", lambda kw: {**kw, "k": kw["k"].to("meta")}, ValueError, "k"),
+    ("beta-float64", lambda kw: {**kw, "beta": kw["beta"].double()}, TypeError, "beta"),
+    ("A_log-shape", lambda kw: {**kw, "A_log": torch.zeros(5)}, ValueError, "A_log"),
+    ("backend-unknown", lambda kw: {**kw, "backend": "sm80"}, ValueError, "backend"),
+    ("option-list", lambda kw: {**kw, "scale": [0.5]}, TypeError, "scale"),
+]
+
+
+@pytest.mark.parametrize("change, exc, name", [c[1:] for c in REMEMBERED_THEN_BROKEN],
+                         ids=[c[0] for c in REMEMBERED_THEN_BROKEN])
+def test_remembered_signature_still_checks_the_rules(fresh_memo, change, exc, name) -> None:
+    kw = _gate(output_final_state=True, use_qk_l2norm_in_kernel=True, scale=0.25)
+    kda_prefill(**kw)
+    kda_prefill(**kw)
+    assert len(fresh_memo) == 1
+    changed = change(kw)
+    if exc is None:
+        kda_prefill(**changed)
+        assert len(fresh_memo) == 2
+        return
+    for _ in range(2):  # and a failing call is never remembered
+        with pytest.raises(exc) as info:
+            kda_prefill(**changed)
+        assert type(info.value) is exc and name in str(info.value)
+    assert len(fresh_memo) == 1
+
+
+def test_index_values_are_checked_on_every_call(fresh_memo) -> None:
+    """CPU cu_seqlens / state_indices are value-checked by default: such calls are never
+    remembered, so bad values of a shape that passed still raise."""
+    kda_prefill(**_varlen([0, 2, 6]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kda_prefill(**_varlen([0, 4, 2]))
+    assert len(fresh_memo) == 0
+    kda_prefill(**_varlen([0, 2, 6], check_inputs=False))  # values trusted: remembered
+    assert len(fresh_memo) == 1
+
+
+def test_state_pool_alignment_checked_after_a_remembered_call(fresh_memo) -> None:
+    """The pool's rule reads its strides and data-pointer alignment: both are in the signature."""
+    base = torch.zeros(2 * 4 * 8 * 8 + 4)
+    pool = base[: 2 * 4 * 8 * 8].view(2, 4, 8, 8)
+    shifted = base[1: 1 + 2 * 4 * 8 * 8].view(2, 4, 8, 8)  # same shape and strides, 4-byte offset
+    assert pool.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 != 0
+    kw = _with(make_args(B=2), state_indices=torch.tensor([1, 0]), check_inputs=False,
+               output_final_state=True)
+    kda_prefill(**{**kw, "initial_state": pool})
+    assert len(fresh_memo) == 1
+    with pytest.raises(ValueError, match="initial_state"):
+        kda_prefill(**{**kw, "initial_state": shifted})
+
+
+def test_remembered_validation_is_bounded(fresh_memo, monkeypatch) -> None:
+    monkeypatch.setattr(prefill_mod, "_VALIDATED_MAX", 3)
+    kw = _with()
+    for i in range(7):
+        kda_prefill(**{**kw, "scale": 0.1 * (i + 1)})
+        assert 1 <= len(fresh_memo) <= 3
