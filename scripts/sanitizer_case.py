@@ -16,7 +16,10 @@ finally two configurations and the bad cu_seqlens again in the cooperative mode
 (CULA_KDA_COOPERATIVE=1: helper CTAs compute the chunks and hand them to the tile owners through a
 global workspace), with one owner per tile, with two (CULA_KDA_VALUE_SPLIT=1 / =2: each owner on
 half of the value columns) and with the kernel's choice per tile (unset); and in 4 segments per
-tile (CULA_KDA_SEGMENTS=4: P/Q chains, fp32 fix-ups through the workspace, reruns).
+tile (CULA_KDA_SEGMENTS=4: P/Q chains, fp32 fix-ups through the workspace, reruns). The
+general-gate kernels (safe_gate=False: the softplus gate, the lower-bound gate at -8, precomputed
+log decays down to -30 with a channel at -inf) run in index order, longest first and the
+cooperative mode.
 Inputs are drawn on the CPU and copied, and the reference runs on the CPU, so the GPU work that
 the sanitizer instruments is the copies and the kernel itself.
 
@@ -63,8 +66,16 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
+#: Gate forms: "safe" (decays in [-5, 0): the safe-gate kernels); the general-gate kernels
+#: (safe_gate=False): "softplus" (Kimi-Linear's -exp(A_log) softplus(g + dt_bias), A_log ~ N(0, 1),
+#: g ~ 2 N(0, 1): most 16-row blocks wide), "lower_bound_8" (the lower-bound gate at -8) and
+#: "unbounded" (precomputed log decays down to -30, one channel per value head at -inf).
+GATE_FORMS = ("safe", "softplus", "lower_bound_8", "unbounded")
+
+
 def run_one(gate_in: bool, l2: bool, layout: str, beta_bf16: bool, cu64: bool, with_h0: bool,
-            want_state: bool, cu: list[int] = CU) -> bool:
+            want_state: bool, cu: list[int] = CU, gate_form: str = "safe") -> bool:
+    assert gate_form in GATE_FORMS and (gate_form == "unbounded") == (gate_form != "safe" and not gate_in)
     T, N = cu[-1], len(cu) - 1
     bf16 = torch.bfloat16
     q = torch.randn(1, T, H, D)
@@ -72,21 +83,28 @@ def run_one(gate_in: bool, l2: bool, layout: str, beta_bf16: bool, cu64: bool, w
     if not l2:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     v = torch.randn(1, T, HV, D)
-    g = torch.randn(1, T, HV, D) if gate_in else (-5.0 * torch.rand(1, T, HV, D)).clamp(-5.0, -1e-3)
+    if gate_form == "softplus":
+        g = 2.0 * torch.randn(1, T, HV, D)
+    elif gate_form == "unbounded":
+        g = -30.0 * torch.rand(1, T, HV, D)
+        g[..., 3] = float("-inf")  # a channel that resets completely
+    else:
+        g = torch.randn(1, T, HV, D) if gate_in else (-5.0 * torch.rand(1, T, HV, D)).clamp(-5.0, -1e-3)
     beta = torch.sigmoid(torch.randn(1, T, HV))
+    lower_bound = {"safe": -5.0, "lower_bound_8": -8.0}.get(gate_form) if gate_in else None
     cpu = dict(
         q=q.to(bf16), k=k.to(bf16), v=v.to(bf16), g=g.to(bf16),
         beta=beta.to(bf16) if beta_bf16 else beta,
         initial_state=0.1 * torch.randn(N, HV, D, D) if with_h0 else None,
         cu_seqlens=torch.tensor(cu, dtype=torch.int64 if cu64 else torch.int32),
-        A_log=0.1 * torch.randn(HV) if gate_in else None,
-        dt_bias=0.1 * torch.randn(HV * D) if gate_in else None,
+        A_log=(torch.randn(HV) if gate_form == "softplus" else 0.1 * torch.randn(HV)) if gate_in else None,
+        dt_bias=(0.5 if gate_form == "softplus" else 0.1) * torch.randn(HV * D) if gate_in else None,
         use_gate_in_kernel=gate_in, use_qk_l2norm_in_kernel=l2,
-        lower_bound=-5.0 if gate_in else None, state_layout=layout,
+        lower_bound=lower_bound, state_layout=layout,
     )
     gpu = {name: x.cuda() if isinstance(x, torch.Tensor) else x for name, x in cpu.items()}
 
-    o, fs = kda_prefill(**gpu, output_final_state=want_state, safe_gate=True, backend="sm90")
+    o, fs = kda_prefill(**gpu, output_final_state=want_state, safe_gate=gate_form == "safe", backend="sm90")
     torch.cuda.synchronize()
     assert last_backend() == "sm90", last_backend()
     o, fs = o.cpu(), (fs.cpu() if fs is not None else None)
@@ -102,7 +120,7 @@ def run_one(gate_in: bool, l2: bool, layout: str, beta_bf16: bool, cu64: bool, w
                 want = cpu["initial_state"][n] if with_h0 else torch.zeros_like(fs[n])
                 empty_ok &= bool(torch.equal(fs[n], want))
     ok = finite and eo <= RTOL and es <= RTOL and empty_ok and (fs is None) == (not want_state)
-    print(f"{'ok  ' if ok else 'FAIL'} gate={'kernel' if gate_in else 'given':6s} l2norm={int(l2)} "
+    print(f"{'ok  ' if ok else 'FAIL'} gate={'kernel' if gate_in else 'given':6s} form={gate_form} l2norm={int(l2)} "
           f"layout={layout} beta={'bf16' if beta_bf16 else 'fp32'} cu={'int64' if cu64 else 'int32'} "
           f"h0={int(with_h0)} final_state={int(want_state)} sequences={N}: err o {eo:.2e}, state {es:.2e}, "
           f"finite={finite}, empty-sequence state={'ok' if empty_ok else 'WRONG'}", flush=True)
@@ -170,6 +188,26 @@ def main() -> int:
         print(f"sanitizer_case: CULA_KDA_SCHEDULE={schedule}", flush=True)
         results.append(run_one(True, True, "kv", False, False, True, True, cu=CU_MANY))
     del os.environ["CULA_KDA_SCHEDULE"]
+    # The general-gate kernels (safe_gate=False: each gate form x l2norm in one of the calls), in
+    # index order, longest first and the cooperative mode.
+    general = [(True, True, "kv", False, False, True, True, "softplus"),
+               (True, False, "vk", True, True, True, True, "lower_bound_8"),
+               (False, True, "vk", False, True, False, True, "unbounded"),
+               (False, False, "kv", True, False, True, True, "unbounded")]
+    print("sanitizer_case: general gates (safe_gate=False)", flush=True)
+    for *cfg, form in general:
+        results.append(run_one(*cfg, gate_form=form))
+    for schedule in ("index", "longest_first"):
+        os.environ["CULA_KDA_SCHEDULE"] = schedule
+        print(f"sanitizer_case: general gates, CULA_KDA_SCHEDULE={schedule}", flush=True)
+        for *cfg, form in general[:3:2]:
+            results.append(run_one(*cfg, cu=CU_MANY, gate_form=form))
+    del os.environ["CULA_KDA_SCHEDULE"]
+    os.environ["CULA_KDA_COOPERATIVE"] = "1"
+    print("sanitizer_case: general gates, CULA_KDA_COOPERATIVE=1", flush=True)
+    for *cfg, form in general:
+        results.append(run_one(*cfg, gate_form=form))
+    del os.environ["CULA_KDA_COOPERATIVE"]
     results.append(run_bad_cu_seqlens())
     os.environ["CULA_KDA_COOPERATIVE"] = "1"
     for split in ("1", "2", None):  # None: one or two owners per tile, as the kernel's model decides
