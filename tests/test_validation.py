@@ -616,13 +616,13 @@ def fresh_memo():
 
 def _count_rule_runs(monkeypatch) -> list[int]:
     runs: list[int] = []
-    real = prefill_mod._validate_call
+    real = prefill_mod._validate_tensors
 
     def counting(*args: Any, **kwargs: Any):
         runs.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(prefill_mod, "_validate_call", counting)
+    monkeypatch.setattr(prefill_mod, "_validate_tensors", counting)
     return runs
 
 

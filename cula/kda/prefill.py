@@ -535,47 +535,7 @@ def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool,
     return "reference"  # auto on CPU or a non-Hopper device
 
 
-def _validate_call(
-    q: Any, k: Any, v: Any, g: Any, beta: Any,
-    *,
-    scale: Any,
-    initial_state: Any,
-    output_final_state: Any,
-    cu_seqlens: Any,
-    use_qk_l2norm_in_kernel: Any,
-    use_gate_in_kernel: Any,
-    A_log: Any,
-    dt_bias: Any,
-    safe_gate: Any,
-    lower_bound: Any,
-    state_layout: Any,
-    backend: Any,
-    state_indices: Any = None,
-    has_initial_state: Any = None,
-    out: Any = None,
-    final_state: Any = None,
-    use_beta_sigmoid_in_kernel: Any = False,
-    check_inputs: Any = None,
-) -> tuple[float | None, float | None, int]:
-    """The argument-level rules of :func:`kda_prefill` (they never touch the device or allocate);
-    raises the documented exceptions. Returns (scale or None, lower_bound or None, N). The
-    backend's limits and its device and build requirements follow in :func:`_plan`."""
-    scale_f, lb = _validate_options(
-        scale=scale, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        safe_gate=safe_gate, lower_bound=lower_bound, state_layout=state_layout, backend=backend,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, check_inputs=check_inputs,
-    )
-    N = _validate_tensors(
-        q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
-        state_indices, has_initial_state, out, final_state,
-        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lb, state_layout=state_layout,
-        output_final_state=output_final_state, check_inputs=check_inputs,
-    )
-    return scale_f, lb, N
-
-
-#: Results of :func:`_validate_call` for call signatures that passed, so that a server's
+#: Results of the argument-level rules (:func:`_plan`) for call signatures that passed, so that a server's
 #: repeated calls of one shape skip the argument-level rules (~5 us of Python per call on a CPU
 #: where the whole call costs ~22 us). A signature holds everything those rules read: each
 #: tensor argument's type, shape, dtype and device (and, for a state pool, its strides and
@@ -639,9 +599,9 @@ def _plan(
 ) -> _Plan:
     """Every rule of :func:`kda_prefill`, in one place; raises the documented exceptions.
 
-    The argument-level rules (:func:`_validate_call`, remembered per signature in
-    ``_VALIDATED``), then the backend's limits, then its device and build requirements (run on
-    every call). Also the verifier of the FLA backend (:mod:`cula.kda.fla_backend`), so both
+    The argument-level rules (:func:`_validate_options`, :func:`_validate_tensors`; their result
+    remembered per signature in ``_VALIDATED``), then the backend's limits, then its device and
+    build requirements (run on every call). Also the verifier of the FLA backend (:mod:`cula.kda.fla_backend`), so both
     accept exactly the same calls.
     """
     key = _signature(
@@ -652,16 +612,20 @@ def _plan(
         initial_state if state_indices is not None else None, check_inputs)
     validated = None if key is None else _VALIDATED.get(key)
     if validated is None:
-        validated = _validate_call(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-            safe_gate=safe_gate, lower_bound=lower_bound, state_layout=state_layout,
-            backend=backend, state_indices=state_indices, has_initial_state=has_initial_state,
-            out=out, final_state=final_state, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            check_inputs=check_inputs,
+        # The argument-level rules (they never touch the device or allocate).
+        scale_f, lb = _validate_options(
+            scale=scale, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            safe_gate=safe_gate, lower_bound=lower_bound, state_layout=state_layout, backend=backend,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, check_inputs=check_inputs,
         )
+        N = _validate_tensors(
+            q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias,
+            state_indices, has_initial_state, out, final_state,
+            use_gate_in_kernel=use_gate_in_kernel, lower_bound=lb, state_layout=state_layout,
+            output_final_state=output_final_state, check_inputs=check_inputs,
+        )
+        validated = (scale_f, lb, N)
         if key is not None:
             if len(_VALIDATED) >= _VALIDATED_MAX:
                 _VALIDATED.clear()

@@ -254,6 +254,31 @@ bool longest_first_schedule(const KdaPrefillParams& p, int sm_count) {
   return !force_index && num_tiles > sm_count && num_tiles <= INT_MAX && p.num_seqs <= sm90::kSortMaxSeqs;
 }
 
+// The instantiation for the call's gate form and l2norm (the instantiations/ files, one each):
+// gate given or in the kernel x l2norm, for the decays `kDecays`; the softplus gate exists only in
+// the kernel (the call's gate_softplus implies use_gate_in_kernel).
+template <bool kLongestFirst, sm90::KernelPass kPass, sm90::Decays kDecays>
+cudaError_t launch_for_gate(const KdaPrefillParams& p, const sm90::KdaKernelParams& kp, int grid, cudaStream_t stream) {
+  if (p.use_gate_in_kernel || kDecays == sm90::Decays::kGeneralSoftplus)
+    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, kLongestFirst, kPass, kDecays>(kp, grid, stream)
+                           : sm90::launch_kda_prefill_kernel<true, false, kLongestFirst, kPass, kDecays>(kp, grid, stream);
+  if constexpr (kDecays != sm90::Decays::kGeneralSoftplus)
+    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, kLongestFirst, kPass, kDecays>(kp, grid, stream)
+                           : sm90::launch_kda_prefill_kernel<false, false, kLongestFirst, kPass, kDecays>(kp, grid, stream);
+  return cudaErrorInvalidValue;  // not reached: the softplus gate is in the kernel
+}
+
+// ... and for the call's decays: the safe-gate kernels, or (general_gates) the general-gate ones,
+// with the softplus gate in instantiations of its own.
+template <bool kLongestFirst, sm90::KernelPass kPass>
+cudaError_t launch_instantiation(const KdaPrefillParams& p, const sm90::KdaKernelParams& kp, int grid,
+                                 cudaStream_t stream) {
+  if (!p.general_gates) return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kSafe>(p, kp, grid, stream);
+  if (p.use_gate_in_kernel && p.gate_softplus)
+    return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kGeneralSoftplus>(p, kp, grid, stream);
+  return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kGeneral>(p, kp, grid, stream);
+}
+
 cudaError_t device_sm_count(int* sm_count) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -340,65 +365,14 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
     kp.coop.matrices = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + plan.sync_bytes);
     kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes + plan.matrix_bytes;  // the stages
     if ((err = cudaMemsetAsync(p.workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
-    if (p.general_gates) {
-      constexpr auto kCoopPass = sm90::KernelPass::kCooperative;
-      constexpr auto kGen = sm90::Decays::kGeneral, kSoft = sm90::Decays::kGeneralSoftplus;
-      if (p.use_gate_in_kernel && p.gate_softplus)
-        return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, kCoopPass, kSoft>(kp, sm_count, stream)
-                               : sm90::launch_kda_prefill_kernel<true, false, false, kCoopPass, kSoft>(kp, sm_count, stream);
-      if (p.use_gate_in_kernel)
-        return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, kCoopPass, kGen>(kp, sm_count, stream)
-                               : sm90::launch_kda_prefill_kernel<true, false, false, kCoopPass, kGen>(kp, sm_count, stream);
-      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false, kCoopPass, kGen>(kp, sm_count, stream)
-                             : sm90::launch_kda_prefill_kernel<false, false, false, kCoopPass, kGen>(kp, sm_count, stream);
-    }
-    if (p.use_gate_in_kernel)
-      return p.use_qk_l2norm
-                 ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream)
-                 : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream);
-    return p.use_qk_l2norm
-               ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream)
-               : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kCooperative>(kp, sm_count, stream);
-  }
-
-  if (p.general_gates) {
-    constexpr auto kFusedPass = sm90::KernelPass::kFused;
-    constexpr auto kGen = sm90::Decays::kGeneral, kSoft = sm90::Decays::kGeneralSoftplus;
-    if (longest_first_schedule(p, sm_count)) {
-      if ((err = schedule_workspace(device, stream, &kp.schedule)) != cudaSuccess) return err;
-      if (p.use_gate_in_kernel && p.gate_softplus)
-        return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, true, kFusedPass, kSoft>(kp, sm_count, stream)
-                               : sm90::launch_kda_prefill_kernel<true, false, true, kFusedPass, kSoft>(kp, sm_count, stream);
-      if (p.use_gate_in_kernel)
-        return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, true, kFusedPass, kGen>(kp, sm_count, stream)
-                               : sm90::launch_kda_prefill_kernel<true, false, true, kFusedPass, kGen>(kp, sm_count, stream);
-      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, true, kFusedPass, kGen>(kp, sm_count, stream)
-                             : sm90::launch_kda_prefill_kernel<false, false, true, kFusedPass, kGen>(kp, sm_count, stream);
-    }
-    const int grid = int(std::min<int64_t>(num_tiles, INT_MAX));
-    if (p.use_gate_in_kernel && p.gate_softplus)
-      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, kFusedPass, kSoft>(kp, grid, stream)
-                             : sm90::launch_kda_prefill_kernel<true, false, false, kFusedPass, kSoft>(kp, grid, stream);
-    if (p.use_gate_in_kernel)
-      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, kFusedPass, kGen>(kp, grid, stream)
-                             : sm90::launch_kda_prefill_kernel<true, false, false, kFusedPass, kGen>(kp, grid, stream);
-    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false, kFusedPass, kGen>(kp, grid, stream)
-                           : sm90::launch_kda_prefill_kernel<false, false, false, kFusedPass, kGen>(kp, grid, stream);
+    return launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
   }
   if (longest_first_schedule(p, sm_count)) {
     if ((err = schedule_workspace(device, stream, &kp.schedule)) != cudaSuccess) return err;
-    if (p.use_gate_in_kernel)
-      return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, true, sm90::KernelPass::kFused>(kp, sm_count, stream)
-                             : sm90::launch_kda_prefill_kernel<true, false, true, sm90::KernelPass::kFused>(kp, sm_count, stream);
-    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, true, sm90::KernelPass::kFused>(kp, sm_count, stream)
-                           : sm90::launch_kda_prefill_kernel<false, false, true, sm90::KernelPass::kFused>(kp, sm_count, stream);
+    return launch_instantiation<true, sm90::KernelPass::kFused>(p, kp, sm_count, stream);
   }
-  const int grid = int(std::min<int64_t>(num_tiles, INT_MAX));
-  if (p.use_gate_in_kernel)
-    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, false, sm90::KernelPass::kFused>(kp, grid, stream)
-                           : sm90::launch_kda_prefill_kernel<true, false, false, sm90::KernelPass::kFused>(kp, grid, stream);
-  return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, false, sm90::KernelPass::kFused>(kp, grid, stream)
-                         : sm90::launch_kda_prefill_kernel<false, false, false, sm90::KernelPass::kFused>(kp, grid, stream);
+  return launch_instantiation<false, sm90::KernelPass::kFused>(p, kp, int(std::min<int64_t>(num_tiles, INT_MAX)),
+                                                               stream);
 }
 
 }  // namespace cula::kda

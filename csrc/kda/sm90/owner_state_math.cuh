@@ -193,17 +193,8 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
     float m = 0.f;
 #pragma unroll
     for (int r = 0; r < 32; ++r) m = fmaxf(m, fabsf(Pt[r]));
-    const bool out_of_range = m >= 32768.f || (m > 0.f && m < 0x1p-10f);
-    if (named_barrier_sync_any(bar, 128, out_of_range)) {  // uniform over the warpgroup
-#pragma unroll
-      for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
-      if (lane == 0) st.vnew_max[half][warp] = m;
-      named_barrier_sync(bar, 128);
-      const float mx = fmaxf(fmaxf(st.vnew_max[half][0], st.vnew_max[half][1]),
-                             fmaxf(st.vnew_max[half][2], st.vnew_max[half][3]));
-      // As state_math.cuh: the max into [2^14, 2^15) from above, or up by 2^24 from below 2^-10.
-      const int e = int((__float_as_uint(mx) >> 23) & 0xffu) - 127;
-      const int shift = (e > 14 || e < -10) ? max(e - 14, -24) : 0;
+    if (named_barrier_sync_any(bar, 128, fp16_out_of_range(m))) {  // uniform over the warpgroup
+      const int shift = fp16_range_shift(m, st.vnew_max[half], bar, warp, lane);
       if (shift != 0) {
         const float down = __uint_as_float(uint32_t(127 - shift) << 23);
         vn_up = __uint_as_float(uint32_t(127 + shift) << 23);

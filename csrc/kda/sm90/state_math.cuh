@@ -243,6 +243,10 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       }
       fence_smem_to_async_proxy();
       if constexpr (kAqkHalf) {
+        // fp16_out_of_range / fp16_range_shift (sm90_primitives.cuh, the owners' form) written out:
+        // through the helpers ptxas schedules this kernel differently (+64 SASS instructions, two
+        // more spill pairs in the gate-in-kernel l2norm index kernel), so the hot path keeps the
+        // measured code. The two must stay the same rule.
         const bool out_of_range = m >= 32768.f || (m > 0.f && m < 0x1p-10f);
         if (named_barrier_sync_any(bar, 128, out_of_range)) {  // uniform over the warpgroup
 #pragma unroll
