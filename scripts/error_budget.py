@@ -42,6 +42,19 @@ configuration (with ``--fp16`` groups: also with them).
 ``--fp16 X,Y``: an extra run of the kernel's configuration with the points X, Y rounded to fp16
 instead of bf16 (3 more mantissa bits; e.g. ``aqk,vnew_o``: A_qk and v_new in fp16 for the product
 A_qk v_new, where l2-normalised q, k bound |A_qk| by 1).
+
+``--draw softplus``: Kimi-Linear's softplus gate as the tests and the benchmark draw it (A_log ~
+N(0, 1) per head, or the heads' values from ``--alog``; g ~ 2 N(0, 1); dt_bias ~ 0.1 N(0, 1)), on
+the fused kernels' configuration (M folded, fp16 A_qk v_new). Its decays overflow the safe
+factorisation's exponent range, which the kernel handles with the general-gate path (wide pairs,
+exact diagonal-block terms; ``docs/kernel.md``); this emulation models the rounding points'
+*precision* only: it computes in fp64 and rounds mantissas to 8 (bf16) or 11 (fp16) bits with an
+unbounded exponent, with the per-token decays clamped at -60 (log2) for the reference and the
+emulation alike (so every block's factors fit fp64). It prints the error per head, and per
+rounding point left out, e.g.
+
+    python scripts/error_budget.py --draw softplus --T 566 --alog=-3,-2.3,-1.6,-0.7 \
+        --fp16 qe,ke,kt_a,frag qe,ke,kt_a,frag,kt_s,vnew_s
 """
 from __future__ import annotations
 
@@ -49,6 +62,7 @@ import argparse
 import math
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,9 +81,16 @@ LN2 = math.log(2.0)
 FP16: set[str] = set()  # points rounded to fp16 instead of bf16 (--fp16)
 
 
+UNBOUNDED = False  # --draw softplus: round mantissas only (8 / 11 bits), any exponent
+
+
 def bf(x: torch.Tensor, name: str, on: frozenset[str]) -> torch.Tensor:
     if name not in on:
         return x
+    if UNBOUNDED:
+        bits = 11 if name in FP16 else 8
+        m, e = torch.frexp(x)
+        return torch.ldexp(torch.round(m * 2.0**bits) / 2.0**bits, e.to(x.dtype))
     return x.to(torch.float16 if name in FP16 else torch.bfloat16).to(x.dtype)
 
 
@@ -84,7 +105,7 @@ def chunked(q, k, v, g_ln, beta, scale: float, on: frozenset[str],
     v_new = Y + (M - I) Y, Y = beta v - KG S in fp32 (the "y" point its bf16 operand copy)."""
     T, HV, K = q.shape
     V = v.shape[2]
-    f32 = torch.float32
+    f32 = q.dtype  # float32; float64 for --draw softplus
     S = torch.zeros(HV, K, V, dtype=f32)
     o = torch.zeros(T, HV, V, dtype=f32)
     idx = torch.arange(C)
@@ -161,6 +182,91 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref.double()).norm() / ref.double().norm())
 
 
+class SoftplusDraw(NamedTuple):
+    """One --draw softplus problem: the emulation's fp64 inputs and the fp64 recurrence's outputs."""
+    A_log: torch.Tensor
+    g_ln: torch.Tensor  # natural-log decays [T, HV, K], clamped at -60 log2 per token
+    qn: torch.Tensor
+    kn: torch.Tensor
+    v: torch.Tensor
+    beta: torch.Tensor
+    scale: float
+    ref_o: torch.Tensor
+    ref_s: torch.Tensor
+
+
+def softplus_draw(T: int, HV: int, A_log: torch.Tensor | None = None, seed: int = 0) -> SoftplusDraw:
+    """The tests' and the benchmark's softplus draw (A_log ~ N(0, 1) unless given, g ~ 2 N(0, 1),
+    dt_bias ~ 0.1 N(0, 1)), one sequence, D = 128."""
+    torch.manual_seed(seed)
+    D = 128
+    bf16, f64 = torch.bfloat16, torch.float64
+    q = torch.randn(1, T, HV, D).to(bf16)
+    k = torch.randn(1, T, HV, D).to(bf16)
+    v = torch.randn(1, T, HV, D).to(bf16)
+    beta = torch.sigmoid(torch.randn(1, T, HV).to(bf16).double())
+    g = (2 * torch.randn(1, T, HV, D)).to(bf16)
+    A_log = torch.randn(HV) if A_log is None else A_log
+    dt_bias = 0.1 * torch.randn(HV * D)
+    scale = D ** -0.5
+    g_ln = kda_gate(g[0], A_log=A_log, dt_bias=dt_bias, lower_bound=None, dtype=f64).clamp(min=-60 * LN2)
+    ref_o, ref_s = kda_recurrent_reference(
+        q, k, v, g_ln[None], beta.float(), scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=False, dtype=f64)
+    return SoftplusDraw(A_log, g_ln, F.normalize(q[0].double(), dim=-1, eps=1e-6),
+                        F.normalize(k[0].double(), dim=-1, eps=1e-6), v[0].double(), beta[0], scale,
+                        ref_o[0], ref_s[0])
+
+
+#: The fused kernels' rounding points (M folded: W, U and beta v are never formed) and the points
+#: they round to fp16 (l2norm kernels: A_qk and v_new for their product).
+FUSED_POINTS = frozenset(POINTS) - {"w", "u", "bv"}
+FUSED_FP16 = frozenset({"aqk", "vnew_o"})
+
+
+def softplus_errors(d: SoftplusDraw, on: frozenset[str] = FUSED_POINTS,
+                    fp16: frozenset[str] = FUSED_FP16) -> tuple[list[float], list[float], float, float]:
+    """Mantissa-only rounding (any exponent) at the points ``on``, fp16 at ``fp16``: per-head
+    relative L2 errors of o and of the final state, then the errors over all heads."""
+    global UNBOUNDED
+    UNBOUNDED = True
+    FP16.clear()
+    FP16.update(fp16)
+    try:
+        o, st = chunked(d.qn, d.kn, d.v, d.g_ln, d.beta, d.scale, on, fold=True)
+    finally:
+        FP16.clear()
+        UNBOUNDED = False
+    HV = o.shape[1]
+    return ([rel(o[:, h], d.ref_o[:, h]) for h in range(HV)], [rel(st[h], d.ref_s[h]) for h in range(HV)],
+            rel(o, d.ref_o), rel(st, d.ref_s))
+
+
+def softplus_report(args: argparse.Namespace) -> int:
+    """--draw softplus: the fused kernels' configuration per head, and per rounding point left out."""
+    A_log = None if args.alog is None else torch.tensor([float(a) for a in args.alog.split(",")])
+    if A_log is not None and A_log.numel() != args.heads:
+        raise SystemExit(f"--alog needs {args.heads} values (--heads), got {A_log.numel()}")
+    d = softplus_draw(args.T, args.heads, A_log, args.seed)
+    print(f"error_budget --draw softplus: T={args.T}, HV={args.heads}, D=128, seed={args.seed}; relative L2 vs "
+          "the fp64 recurrence (o / state), mantissa rounding, decays clamped at -60 log2")
+    print("  exp(A_log) per head:  " + "  ".join(f"{float(a):.3f}" for a in d.A_log.exp()))
+    print("  mean log decay/token: " + "  ".join(f"{float(x):.3f}" for x in d.g_ln.mean(dim=(0, 2))))
+
+    def show(label: str, res: tuple[list[float], list[float], float, float], per_head: bool) -> None:
+        if per_head:
+            print("  per head o:      " + "  ".join(f"{x:.2e}" for x in res[0]))
+            print("  per head state:  " + "  ".join(f"{x:.2e}" for x in res[1]))
+        print(f"  {label:44s} {res[2]:.2e} / {res[3]:.2e}")
+
+    show("fused kernel (M folded, fp16 A_qk v_new)", softplus_errors(d), True)
+    for p in sorted(FUSED_POINTS):
+        show(f"all but {p}", softplus_errors(d, on=FUSED_POINTS - {p}), False)
+    for group in args.fp16:
+        show(f"fp16 also at {group}", softplus_errors(d, fp16=FUSED_FP16 | frozenset(group.split(","))), True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--T", type=int, default=2048)
@@ -172,7 +278,13 @@ def main() -> int:
                     help="also the fused kernels' configuration with M folded into the state chain")
     ap.add_argument("--fp16", nargs="*", default=[],
                     help="extra runs of the kernel's configuration with a group of points in fp16 each, e.g. aqk,vnew_o")
+    ap.add_argument("--draw", choices=("safe", "softplus"), default="safe",
+                    help="the gate draw: lower_bound = -5 (default) or the softplus gate (see above)")
+    ap.add_argument("--alog", default=None,
+                    help="--draw softplus: A_log per head, comma-separated (default: N(0, 1) draws)")
     args = ap.parse_args()
+    if args.draw == "softplus":
+        return softplus_report(args)
     torch.manual_seed(args.seed)
     T, HV, D = args.T, args.heads, 128
     bf16 = torch.bfloat16
