@@ -337,7 +337,7 @@ def main() -> int:
         FP16.clear()
         print(f"  kernel, fp16 at {group:17s} {res[0]:.2e} / {res[1]:.2e}")
     if args.fold:  # the fused kernels: M folded, packed rescale (w, u, bv are not formed)
-        fold_on = frozenset(POINTS) - {"w", "u", "bv"}
+        fold_on = FUSED_POINTS
         res = run(fold_on, packed=True, fold=True)
         print(f"  {'fused, M folded':34s} {res[0]:.2e} / {res[1]:.2e}")
         for group in args.fp16:
