@@ -68,6 +68,7 @@ template <bool kGateInKernel, bool kL2Norm, Decays kDecays>
 __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* state_tiles, int rows,
                                                  const GateConstants& gc, int tid) {
   constexpr bool kGeneral = kDecays != Decays::kSafe;
+  constexpr bool kHalf = half_operands(kDecays, kL2Norm);  // fp16 A-product operands
   constexpr NamedBarrierId bar = NamedBarrierId::kStatePrep;
   uint8_t* const scratch = kGeneral ? state_tiles + kPrepGeneralScratchOffset : st.aqk;
   float* rnorm = reinterpret_cast<float*>(scratch + kPrepRnormOffset);
@@ -87,15 +88,15 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* stat
   float cum0 = 0.f, cum1 = 0.f;  // from the block's start
   load_block_cumsum<kGateInKernel, kDecays>(st, addr, row0, gc, cum0, cum1, qx, kx, G0, G1);
   *reinterpret_cast<float2*>(&totals[b][col]) = make_float2(cum0, cum1);
-  // A wide feature (general gates: its decay over the block exceeds kWideSpanLog2) takes its
-  // factors against the block's start (0 here), so that e = exp2(G - 0) <= 1.
+  // A wide feature (general gates: its decay over the block exceeds wide_span_log2, 14 with
+  // fp16 operands) takes its factors against the block's start (0 here), so that e = exp2(G) <= 1.
   bool wide0 = false, wide1 = false;
   if constexpr (kGeneral) {
-    wide0 = -cum0 > kWideSpanLog2;
-    wide1 = -cum1 > kWideSpanLog2;
+    wide0 = -cum0 > wide_span_log2(kHalf);
+    wide1 = -cum1 > wide_span_log2(kHalf);
     st.wide_pair[b][cp] = uint8_t((wide0 ? 1 : 0) | (wide1 ? 2 : 0));
   }
-  store_block_operands<kGeneral, kL2Norm>(st, addr, row0, G0, G1, cum0, cum1, wide0 ? 0.f : cum0,
+  store_block_operands<kGeneral, kL2Norm, kHalf>(st, addr, row0, G0, G1, cum0, cum1, wide0 ? 0.f : cum0,
                                           wide1 ? 0.f : cum1, qx, kx, rnorm);
   if constexpr (kGeneral) {
     const int warp = tid >> 5;

@@ -43,9 +43,26 @@ constexpr float kL2NormEps = 1e-6f;
 // over the block exceeds kWideSpanLog2 is "wide": its diagonal-block terms are computed exactly
 // (wide_diagonal_terms: each pair factored through its own split row, on the tensor cores)
 // instead of through the block-end factorisation (whose e = exp2(G - r_b) would overflow). Same
-// constants as cula/kda/reference.py (GATE_FLOOR_LOG2, DIAG_SPAN_MAX_LOG2).
+// floor as cula/kda/reference.py (GATE_FLOOR_LOG2).
 constexpr float kGateFloorLog2 = -200.f;
 constexpr float kWideSpanLog2 = 100.f;
+// General gates with l2-normalised q and k (half_operands): the A products take fp16 operands,
+// 3 more mantissa bits than bf16. With slowly decaying heads the off-diagonal A_qk terms carry the
+// output, and their bf16 operands QE, KT set o's error (scripts/error_budget.py --draw softplus:
+// o ~3.1e-3 with bf16, ~2.0e-3 with fp16 on heads with exp(A_log) = 0.05-0.2). fp16's range is
+// the price: a (block, feature) whose decay span exceeds kHalfSpanLog2 is wide (exact diagonal
+// terms, every factor <= 1), and the others store QE = q e 2^-7, KE = k e 2^-7, KT = k f 2^7:
+// with |q|, |k| <= 1 (l2norm) and e, f within [2^-14, 2^14] all three lie within [|x| 2^-7, 2^7],
+// fp16's normal range for all but tiny elements, and the scale pairs exp2(r_w - r_bj) of adjacent
+// blocks stay >= 2^-14 (normal). Products QE KT^T are unchanged by the 2^-7 / 2^7 split; step 6
+// undoes it (QG, KG from exp2(ref + 7); KT back to bf16 times 2^-7, or KT' in fp16), so the state
+// side sees the same operands as before. The type is fixed per instantiation (the safe-gate and
+// no-l2norm kernels keep bf16 and the 100-log2 threshold): a per-chunk type choice cost the
+// safe-gate rows 2-10 % (docs/perf-notes.md, "narrow chunks").
+constexpr float kHalfSpanLog2 = 14.f;
+constexpr float kHalfShiftLog2 = 7.f;
+constexpr bool half_operands(Decays decays, bool l2norm) { return decays != Decays::kSafe && l2norm; }
+constexpr float wide_span_log2(bool half) { return half ? kHalfSpanLog2 : kWideSpanLog2; }
 
 // The shared memory one intra-chunk warpgroup works in besides its stage. The fused kernel and a
 // cooperative helper's first intra warpgroup use SharedStorage's intra fields; a helper's second
@@ -309,7 +326,8 @@ __device__ __forceinline__ void load_block_cumsum(const StageStorage& st, const 
 // place over q, k, g, with e = exp2(G - ref) and f = exp2(cum - G). G0/G1: cumulative log2 decays
 // of the block's rows and cum0/cum1 the block end's, both from the same origin; ref = cum unless
 // the feature is wide (general gates). rnorm: the l2-norm reciprocals (q rows, then k rows).
-template <bool kGeneral, bool kL2Norm>
+// kHalf (half_operands): QE, KE, KT in fp16, split by 2^-7 / 2^7 (kHalfSpanLog2 above).
+template <bool kGeneral, bool kL2Norm, bool kHalf = false>
 __device__ __forceinline__ void store_block_operands(StageStorage& st, const PairColumn& addr, int row0,
                                                      const float (&G0)[kSubBlock], const float (&G1)[kSubBlock],
                                                      float cum0, float cum1, float ref0, float ref1,
@@ -322,9 +340,11 @@ __device__ __forceinline__ void store_block_operands(StageStorage& st, const Pai
   for (int ii = 0; ii < kSubBlock; ++ii) {
     const int i = row0 + ii;
     const float d0 = G0[ii] - cum0, d1 = G1[ii] - cum1;  // >= 0
-    const float e0 = kGeneral ? fast_exp2(G0[ii] - ref0) : fast_exp2(d0);
-    const float e1 = kGeneral ? fast_exp2(G1[ii] - ref1) : fast_exp2(d1);
-    const float f0 = fast_exp2(-d0), f1 = fast_exp2(-d1);
+    // kHalf: e 2^-7 and f 2^7 (exact power-of-two shifts folded into the exponents)
+    constexpr float kShift = kHalf ? kHalfShiftLog2 : 0.f;
+    const float e0 = kGeneral ? fast_exp2(G0[ii] - ref0 - kShift) : fast_exp2(d0 - kShift);
+    const float e1 = kGeneral ? fast_exp2(G1[ii] - ref1 - kShift) : fast_exp2(d1 - kShift);
+    const float f0 = fast_exp2(kShift - d0), f1 = fast_exp2(kShift - d1);
     float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
     if constexpr (kL2Norm) {
       if (ii % 4 == 0) {
@@ -337,9 +357,15 @@ __device__ __forceinline__ void store_block_operands(StageStorage& st, const Pai
       kv = make_float2(kv.x * rk, kv.y * rk);
     }
     const uint32_t off = addr(i);
-    st_bf16x2(st.q, off, qv.x * e0, qv.y * e1);
-    st_bf16x2(st.k, off, kv.x * e0, kv.y * e1);
-    st_bf16x2(st.g, off, kv.x * f0, kv.y * f1);
+    if constexpr (kHalf) {
+      *reinterpret_cast<uint32_t*>(st.q + off) = float2_to_half2(qv.x * e0, qv.y * e1);
+      *reinterpret_cast<uint32_t*>(st.k + off) = float2_to_half2(kv.x * e0, kv.y * e1);
+      *reinterpret_cast<uint32_t*>(st.g + off) = float2_to_half2(kv.x * f0, kv.y * f1);
+    } else {
+      st_bf16x2(st.q, off, qv.x * e0, qv.y * e1);
+      st_bf16x2(st.k, off, kv.x * e0, kv.y * e1);
+      st_bf16x2(st.g, off, kv.x * f0, kv.y * f1);
+    }
   }
 }
 
@@ -441,6 +467,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
                                                        float (*a_ref)[kHeadDim], int rows, float gate_scale,
                                                        float2 gate_bias, int tid) {
   constexpr bool kGeneral = kDecays != Decays::kSafe;
+  constexpr bool kHalf = half_operands(kDecays, kL2Norm);
   fill_rows_past_end<kGateInKernel, 128>(st, rows, ws.bar, tid);
   row_statistics<kL2Norm, 128>(st, rnorm, row_stats, rows, ws.bar, tid);
 
@@ -471,8 +498,8 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
     float ref0 = cum0, ref1 = cum1;
     bool wide0 = false, wide1 = false;
     if constexpr (kGeneral) {
-      wide0 = start0 - cum0 > kWideSpanLog2;
-      wide1 = start1 - cum1 > kWideSpanLog2;
+      wide0 = start0 - cum0 > wide_span_log2(kHalf);
+      wide1 = start1 - cum1 > wide_span_log2(kHalf);
       if (wide0) ref0 = start0;
       if (wide1) ref1 = start1;
       wide[0][0] = bb == 0 ? wide0 : wide[0][0];
@@ -480,7 +507,7 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
       wide[1][0] = wide0;
       wide[1][1] = wide1;
     }
-    store_block_operands<kGeneral, kL2Norm>(st, addr, row0, G0, G1, cum0, cum1, ref0, ref1, qx, kx, rnorm);
+    store_block_operands<kGeneral, kL2Norm, kHalf>(st, addr, row0, G0, G1, cum0, cum1, ref0, ref1, qx, kx, rnorm);
     if constexpr (kGeneral) {
       const int warp = tid >> 5;
       wide_diagonal_terms<kL2Norm>(wide_corrections(ws, 2 * h + bb, warp & 1, 0), wide_staging(ws, st, warp), G0, G1,
@@ -524,7 +551,8 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
 // kGeneral: the row block's reference comes from a_ref (r_w, or r_{w-1} for a wide feature, whose
 // factor for an earlier block bj is then exp2(r_{w-1} - r_bj) <= 1 and whose diagonal-block
 // terms are left to the exact pass: factor 0).
-template <bool kGeneral = false>
+// kHalf (half_operands): QE, KE, KT are fp16, and so are the scale pairs and the products.
+template <bool kGeneral = false, bool kHalf = false>
 __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st, const float (*a_ref)[kHeadDim],
                                                          int warp, int lane, float (&aqk)[kNumSubBlocks][8],
                                                          float (&akk)[kNumSubBlocks][8]) {
@@ -567,7 +595,7 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
         if constexpr (kGeneral) {
           // Wide features: their reference is not the block's end. Exact float equality is the
           // test: a_ref and r_block are written from the same expression for a non-wide pair, and
-          // differ by the span (> 100) for a wide one (intra_prepare_operands keeps them so; with
+          // differ by the span (> wide_span_log2) for a wide one (intra_prepare_operands keeps them so; with
           // prep ahead intra_chunk rebuilds a_ref from r_block and the wide flags alike).
           s0 = rw0 == st.r_block[warp][c0] ? 1.f : 0.f;
           s1 = rw1 == st.r_block[warp][c0 + 1] ? 1.f : 0.f;
@@ -577,8 +605,8 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
           s0 = s1 = s8 = s9 = 1.f;
         }
       }
-      sc_lo[bj] = float2_to_bf16x2(s0, s1);
-      sc_hi[bj] = float2_to_bf16x2(s8, s9);
+      sc_lo[bj] = kHalf ? float2_to_half2(s0, s1) : float2_to_bf16x2(s0, s1);
+      sc_hi[bj] = kHalf ? float2_to_half2(s8, s9) : float2_to_bf16x2(s8, s9);
     }
   };
   uint32_t qf[4], kf[4], sc_lo[kNumSubBlocks], sc_hi[kNumSubBlocks];
@@ -597,8 +625,8 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const uint32_t sc = r < 2 ? sc_lo[bj] : sc_hi[bj];
-        qa[bj][r] = bf16x2_mul(qf[r], sc);
-        ka[bj][r] = bf16x2_mul(kf[r], sc);
+        qa[bj][r] = kHalf ? half2_mul(qf[r], sc) : bf16x2_mul(qf[r], sc);
+        ka[bj][r] = kHalf ? half2_mul(kf[r], sc) : bf16x2_mul(kf[r], sc);
       }
     }
 
@@ -611,8 +639,13 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
       const uint64_t db = desc_k_major(kt_base + box_off + bj * (kSubBlock * 128) + (ks & 3) * 32);
-      wgmma_rs_n16(qa[bj], db, aqk[bj], true);
-      wgmma_rs_n16(ka[bj], db, akk[bj], true);
+      if constexpr (kHalf) {
+        wgmma_rs_f16<16, Major::K>(qa[bj], db, aqk[bj], true);
+        wgmma_rs_f16<16, Major::K>(ka[bj], db, akk[bj], true);
+      } else {
+        wgmma_rs_n16(qa[bj], db, aqk[bj], true);
+        wgmma_rs_n16(ka[bj], db, akk[bj], true);
+      }
     }
     wgmma_commit();
     // The next k-step's operands (the last k-step fetches its own again: a harmless reload that
@@ -670,6 +703,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
   float* row_stats = reinterpret_cast<float*>(ws.scratch + kRowStatsOffset);
   float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
     constexpr bool kGeneral = kDecays != Decays::kSafe;
+    constexpr bool kHalf = half_operands(kDecays, kL2Norm);  // QE, KE, KT in fp16 (kHalfSpanLog2)
     if constexpr (!kPrepped) {
       intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rnorm, row_stats, ws.a_ref, rows,
                                                                gate_scale, gate_bias, tid);
@@ -689,7 +723,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     timer.mark(1);
 
     float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
-    intra_attention_matrices<kGeneral>(st, ws.a_ref, warp, lane, aqk, akk);
+    intra_attention_matrices<kGeneral, kHalf>(st, ws.a_ref, warp, lane, aqk, akk);
     timer.mark(2);
     // kFoldM: the M tile of the previous chunk lies over the diagonal-block scratch that step 5
     // writes; wait until both state warpgroups have read it (early in their chain: after S's tile,
@@ -778,7 +812,9 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
         const int b = 2 * h + bb, row0 = kSubBlock * b;
         // exp2 of the block's reference: r_b, or r_{b-1} for a wide feature (general gates).
         const float2 rb = *reinterpret_cast<const float2*>(kGeneral ? &ws.a_ref[b][2 * cp] : &st.r_block[b][2 * cp]);
-        const float s0 = fast_exp2(rb.x), s1 = fast_exp2(rb.y);
+        // kHalf: QE, KE carry 2^-7, KT 2^7 (store_block_operands)
+        constexpr float kShift = kHalf ? kHalfShiftLog2 : 0.f;
+        const float s0 = fast_exp2(rb.x + kShift), s1 = fast_exp2(rb.y + kShift);
         uint32_t qx[kSubBlock], kx[kSubBlock];
         float betas[kSubBlock];  // loaded before the stores (see intra_prepare_operands)
 #pragma unroll
@@ -791,18 +827,27 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
           // gates (whose QG/KG reference `rb` above is r_{b-1} instead): so r_b from r_block here.
           const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
           const float2 rend = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
-          const float f0 = fast_exp2(r3.x - rend.x), f1 = fast_exp2(r3.y - rend.y);
+          const float f0 = fast_exp2(r3.x - rend.x - kShift), f1 = fast_exp2(r3.y - rend.y - kShift);
           uint32_t gx[kSubBlock];
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) {
-            const float2 kt = bf16x2_to_float2(gx[ii]);
+            const float2 kt = kHalf ? half2_to_float2(gx[ii]) : bf16x2_to_float2(gx[ii]);
             // kAqkHalf: the owners take the state update in fp16 (owner_state_math.cuh); KT' <= 1
             if constexpr (kAqkHalf)
               *reinterpret_cast<uint32_t*>(st.g + addr(row0 + ii)) = float2_to_half2(kt.x * f0, kt.y * f1);
             else
               st_bf16x2(st.g, addr(row0 + ii), kt.x * f0, kt.y * f1);
+          }
+        } else if constexpr (kHalf) {  // KT (fp16, times 2^7) back to bf16 for the state side
+          uint32_t gx[kSubBlock];
+#pragma unroll
+          for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));
+#pragma unroll
+          for (int ii = 0; ii < kSubBlock; ++ii) {
+            const float2 kt = half2_to_float2(gx[ii]);
+            st_bf16x2(st.g, addr(row0 + ii), kt.x * 0x1p-7f, kt.y * 0x1p-7f);
           }
         }
 #pragma unroll
@@ -813,7 +858,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
 #pragma unroll
         for (int ii = 0; ii < kSubBlock; ++ii) {
           const float beta = betas[ii];
-          const float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
+          const float2 qv = kHalf ? half2_to_float2(qx[ii]) : bf16x2_to_float2(qx[ii]);
+          const float2 kv = kHalf ? half2_to_float2(kx[ii]) : bf16x2_to_float2(kx[ii]);
           st_bf16x2(st.q, addr(row0 + ii), qv.x * s0, qv.y * s1);
           st_bf16x2(st.k, addr(row0 + ii), kv.x * (s0 * beta), kv.y * (s1 * beta));
         }

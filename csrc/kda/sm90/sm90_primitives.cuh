@@ -121,9 +121,10 @@ __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b
 template <int N, Major MajorB>
 __device__ __forceinline__ void wgmma_rs_f16(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N / 2], bool accumulate) {
   using namespace cute::SM90::GMMA;
-  using Atom = std::conditional_t<N == 64, MMA_64x64x16_F32F16F16_RS<Major::K, MajorB>,
-                                  MMA_64x128x16_F32F16F16_RS<Major::K, MajorB>>;
-  static_assert(N == 64 || N == 128, "unsupported WGMMA N");
+  using Atom = std::conditional_t<N == 16, MMA_64x16x16_F32F16F16_RS<Major::K, MajorB>,
+               std::conditional_t<N == 64, MMA_64x64x16_F32F16F16_RS<Major::K, MajorB>,
+                                  MMA_64x128x16_F32F16F16_RS<Major::K, MajorB>>>;
+  static_assert(N == 16 || N == 64 || N == 128, "unsupported WGMMA N");
   detail::gmma_rs<Atom>(a, desc_b, d, accumulate ? ScaleOut::One : ScaleOut::Zero, std::make_index_sequence<N / 2>{});
 }
 __device__ __forceinline__ void wgmma_rs_n16(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[8], bool accumulate) {
@@ -212,6 +213,13 @@ __device__ __forceinline__ uint32_t float2_to_half2(float lo, float hi) {
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a), y = *reinterpret_cast<__nv_bfloat162*>(&b);
   __nv_bfloat162 z = __hmul2(x, y);
+  return *reinterpret_cast<uint32_t*>(&z);
+}
+
+// Packed fp16x2 product, rounded to nearest (one HMUL2 instruction).
+__device__ __forceinline__ uint32_t half2_mul(uint32_t a, uint32_t b) {
+  __half2 x = *reinterpret_cast<__half2*>(&a), y = *reinterpret_cast<__half2*>(&b);
+  __half2 z = __hmul2(x, y);
   return *reinterpret_cast<uint32_t*>(&z);
 }
 
