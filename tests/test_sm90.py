@@ -911,6 +911,37 @@ def test_general_gates_match_reference(case: str, cooperative: str, seed: int, m
     assert torch.equal(o, o2) and torch.equal(fs, fs2)
 
 
+#: General gates with l2norm take the A products with fp16 operands (docs/kernel.md, "General
+#: gates"). On slowly decaying heads, where the off-diagonal A_qk terms carry the output, bf16
+#: operands gave o 3.1e-3 (fused) and 3.5e-3 (cooperative) on this draw (H100, 2026-11-26); fp16
+#: operands, emulated and measured in the fused mode, ~2.0e-3. The bound sits between the two.
+SLOW_HEADS_RTOL = 2.5e-3
+
+
+@gpu_sm90
+@pytest.mark.parametrize("cooperative", ["0", "1"], ids=["fused", "cooperative"])
+def test_general_gates_on_slow_heads(cooperative: str, seed: int, monkeypatch):
+    """Kimi-Linear's softplus gate on heads that decay slowly (exp(A_log) = 0.05, 0.1, 0.2) beside
+    a fast one (4.5, whose blocks are wide): o within SLOW_HEADS_RTOL of the fp32 recurrence and the
+    final state within issue 15's 3e-3 (its error is the state update's, which keeps bf16
+    operands), deterministic; varlen with a one-token and an empty sequence, GVA ratio 2."""
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE", cooperative)
+    spec = varlen("slow", [700, 1, 130, 0, 300], H=2, HV=4, h0=False, layout="kv")
+    inp = make_inputs(spec)
+    dev = inp["q"].device
+    inp.update(g=(2 * torch.randn(1, spec.T, 4, D, device=dev)).to(torch.bfloat16),
+               A_log=torch.tensor([-3.0, -2.3, -1.6, 1.5], device=dev),
+               dt_bias=0.1 * torch.randn(4 * D, device=dev), use_gate_in_kernel=True, lower_bound=None)
+    o, fs = kda_prefill(**inp, output_final_state=True, safe_gate=False, backend="sm90")
+    assert last_backend() == "sm90"
+    ref_o, ref_s = run_reference(inp)
+    what = f"{spec.id} softplus slow heads cooperative={cooperative}"
+    check_outputs(inp, o, fs, ref_o, ref_s, what=what, lens=spec.lens, rtol=3e-3)
+    assert rel_err(o, ref_o) <= SLOW_HEADS_RTOL, f"{what}: o {rel_err(o, ref_o):.2e} > {SLOW_HEADS_RTOL:.1e}"
+    o2, fs2 = kda_prefill(**inp, output_final_state=True, safe_gate=False, backend="sm90")
+    assert torch.equal(o, o2) and torch.equal(fs, fs2)
+
+
 @gpu_sm90
 def test_general_gates_on_safe_decays_match_the_safe_path(seed: int):
     """Decays inside [-5, 0) through the general-gate path (safe_gate=False): no block is wide, so
