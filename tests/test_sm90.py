@@ -914,8 +914,9 @@ def test_general_gates_match_reference(case: str, cooperative: str, seed: int, m
 #: General gates with l2norm take the A products with fp16 operands (docs/kernel.md, "General
 #: gates"). On slowly decaying heads, where the off-diagonal A_qk terms carry the output, bf16
 #: operands gave o 3.1e-3 (fused) and 3.5e-3 (cooperative) on this draw (H100, 2026-11-26); fp16
-#: operands, emulated and measured in the fused mode, ~2.0e-3. The bound sits between the two.
-SLOW_HEADS_RTOL = 2.5e-3
+#: operands, measured on H100 over fresh draws: fused 2.0e-3, cooperative 2.5e-3
+#: (scripts/general_gate_errors.py). The bound sits between the two types.
+SLOW_HEADS_RTOL = 2.8e-3
 
 
 @gpu_sm90
@@ -923,7 +924,7 @@ SLOW_HEADS_RTOL = 2.5e-3
 def test_general_gates_on_slow_heads(cooperative: str, seed: int, monkeypatch):
     """Kimi-Linear's softplus gate on heads that decay slowly (exp(A_log) = 0.05, 0.1, 0.2) beside
     a fast one (4.5, whose blocks are wide): o within SLOW_HEADS_RTOL of the fp32 recurrence and the
-    final state within issue 15's 3e-3 (its error is the state update's, which keeps bf16
+    final state within 3e-3 (its error is the state update's, which keeps bf16
     operands), deterministic; varlen with a one-token and an empty sequence, GVA ratio 2."""
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", cooperative)
     spec = varlen("slow", [700, 1, 130, 0, 300], H=2, HV=4, h0=False, layout="kv")
@@ -943,14 +944,24 @@ def test_general_gates_on_slow_heads(cooperative: str, seed: int, monkeypatch):
 
 
 @gpu_sm90
-def test_general_gates_on_safe_decays_match_the_safe_path(seed: int):
-    """Decays inside [-5, 0) through the general-gate path (safe_gate=False): no block is wide, so
-    the factors are the safe path's (another instantiation: equal up to the compiler's choice of
-    fused multiply-adds)."""
-    spec, inp = _small_inputs("given")
+@pytest.mark.parametrize("l2norm", [False, True], ids=["no_l2norm", "l2norm"])
+def test_general_gates_on_safe_decays_match_the_safe_path(l2norm: bool, seed: int):
+    """Decays inside [-5, 0) through the general-gate path (safe_gate=False). Without l2norm no
+    block is wide and the operands are the safe path's (another instantiation: equal up to the
+    compiler's choice of fused multiply-adds). With l2norm the general kernels take the A products
+    in fp16 and blocks spanning more than 14 (log2) exactly: both paths within the contract of the
+    fp32 recurrence and of each other."""
+    spec = Spec(B=2, T=130, H=2, HV=4, h0=True, layout="kv", gate="given", l2norm=l2norm)
+    inp = make_inputs(spec)
     o_g, s_g = kda_prefill(**inp, output_final_state=True, safe_gate=False, backend="sm90")
     o_s, s_s = kda_prefill(**inp, output_final_state=True, safe_gate=True, backend="sm90")
-    assert rel_err(o_g, o_s) <= 1e-3 and rel_err(s_g, s_s) <= 1e-3
+    if not l2norm:
+        assert rel_err(o_g, o_s) <= 1e-3 and rel_err(s_g, s_s) <= 1e-3
+    else:
+        ref_o, ref_s = run_reference(inp)
+        for what, o, fs in (("general", o_g, s_g), ("safe", o_s, s_s)):
+            check_outputs(inp, o, fs, ref_o, ref_s, what=f"{spec.id} {what} path")
+        assert rel_err(o_g, o_s) <= RTOL and rel_err(s_g, s_s) <= RTOL
 
 
 @gpu_sm90
