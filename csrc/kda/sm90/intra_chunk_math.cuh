@@ -341,10 +341,10 @@ __device__ __forceinline__ void store_block_operands(StageStorage& st, const Pai
     const int i = row0 + ii;
     const float d0 = G0[ii] - cum0, d1 = G1[ii] - cum1;  // >= 0
     // kHalf: e 2^-7 and f 2^7 (exact power-of-two shifts folded into the exponents)
-    constexpr float kShift = kHalf ? kHalfShiftLog2 : 0.f;
-    const float e0 = kGeneral ? fast_exp2(G0[ii] - ref0 - kShift) : fast_exp2(d0 - kShift);
-    const float e1 = kGeneral ? fast_exp2(G1[ii] - ref1 - kShift) : fast_exp2(d1 - kShift);
-    const float f0 = fast_exp2(kShift - d0), f1 = fast_exp2(kShift - d1);
+    // (written so that without kHalf the expressions are the bf16 kernels' own: x + 0.f is not x)
+    float e0 = kGeneral ? G0[ii] - ref0 : d0, e1 = kGeneral ? G1[ii] - ref1 : d1, f0 = -d0, f1 = -d1;
+    if constexpr (kHalf) e0 -= kHalfShiftLog2, e1 -= kHalfShiftLog2, f0 += kHalfShiftLog2, f1 += kHalfShiftLog2;
+    e0 = fast_exp2(e0), e1 = fast_exp2(e1), f0 = fast_exp2(f0), f1 = fast_exp2(f1);
     float2 qv = bf16x2_to_float2(qx[ii]), kv = bf16x2_to_float2(kx[ii]);
     if constexpr (kL2Norm) {
       if (ii % 4 == 0) {
@@ -813,8 +813,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
         // exp2 of the block's reference: r_b, or r_{b-1} for a wide feature (general gates).
         const float2 rb = *reinterpret_cast<const float2*>(kGeneral ? &ws.a_ref[b][2 * cp] : &st.r_block[b][2 * cp]);
         // kHalf: QE, KE carry 2^-7, KT 2^7 (store_block_operands)
-        constexpr float kShift = kHalf ? kHalfShiftLog2 : 0.f;
-        const float s0 = fast_exp2(rb.x + kShift), s1 = fast_exp2(rb.y + kShift);
+        const float s0 = fast_exp2(kHalf ? rb.x + kHalfShiftLog2 : rb.x);
+        const float s1 = fast_exp2(kHalf ? rb.y + kHalfShiftLog2 : rb.y);
         uint32_t qx[kSubBlock], kx[kSubBlock];
         float betas[kSubBlock];  // loaded before the stores (see intra_prepare_operands)
 #pragma unroll
@@ -827,7 +827,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
           // gates (whose QG/KG reference `rb` above is r_{b-1} instead): so r_b from r_block here.
           const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
           const float2 rend = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
-          const float f0 = fast_exp2(r3.x - rend.x - kShift), f1 = fast_exp2(r3.y - rend.y - kShift);
+          const float f0 = fast_exp2(kHalf ? r3.x - rend.x - kHalfShiftLog2 : r3.x - rend.x);
+          const float f1 = fast_exp2(kHalf ? r3.y - rend.y - kHalfShiftLog2 : r3.y - rend.y);
           uint32_t gx[kSubBlock];
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));
