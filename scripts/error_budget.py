@@ -45,7 +45,9 @@ A_qk v_new, where l2-normalised q, k bound |A_qk| by 1).
 
 ``--draw softplus``: Kimi-Linear's softplus gate as the tests and the benchmark draw it (A_log ~
 N(0, 1) per head, or the heads' values from ``--alog``; g ~ 2 N(0, 1); dt_bias ~ 0.1 N(0, 1)), on
-the fused kernels' configuration (M folded, fp16 A_qk v_new). Its decays overflow the safe
+the general kernels' configuration (M folded, fp16 A_qk v_new, fp16 A-product operands) and on
+the same with bf16 A-product operands (the safe-gate kernels' types; the rounding points left out
+one at a time are measured from that one). Its decays overflow the safe
 factorisation's exponent range, which the kernel handles with the general-gate path (wide pairs,
 exact diagonal-block terms; ``docs/kernel.md``); this emulation models the rounding points'
 *precision* only: it computes in fp64 and rounds mantissas to 8 (bf16) or 11 (fp16) bits with an
@@ -222,6 +224,10 @@ def softplus_draw(T: int, HV: int, A_log: torch.Tensor | None = None, seed: int 
 #: they round to fp16 (l2norm kernels: A_qk and v_new for their product).
 FUSED_POINTS = frozenset(POINTS) - {"w", "u", "bv"}
 FUSED_FP16 = frozenset({"aqk", "vnew_o"})
+#: The general-gate kernels with l2norm (safe_gate=False, e.g. the softplus gate) also take the A
+#: products' operands in fp16 (docs/kernel.md, "Numerics"). Their wide blocks' diagonal terms go
+#: through bf16 staging instead, which this mantissa-only emulation does not separate.
+GENERAL_FP16 = FUSED_FP16 | {"qe", "ke", "kt_a", "frag"}
 
 
 def softplus_errors(d: SoftplusDraw, on: frozenset[str] = FUSED_POINTS,
@@ -259,7 +265,8 @@ def softplus_report(args: argparse.Namespace) -> int:
             print("  per head state:  " + "  ".join(f"{x:.2e}" for x in res[1]))
         print(f"  {label:44s} {res[2]:.2e} / {res[3]:.2e}")
 
-    show("fused kernel (M folded, fp16 A_qk v_new)", softplus_errors(d), True)
+    show("general kernels (fp16 A products, A_qk v_new)", softplus_errors(d, fp16=GENERAL_FP16), True)
+    show("bf16 A products (the safe-gate kernels' types)", softplus_errors(d), True)
     for p in sorted(FUSED_POINTS):
         show(f"all but {p}", softplus_errors(d, on=FUSED_POINTS - {p}), False)
     for group in args.fp16:
