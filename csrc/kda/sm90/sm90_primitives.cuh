@@ -209,6 +209,13 @@ __device__ __forceinline__ uint32_t float2_to_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// max(a, b) that returns NaN if either is NaN (one FMNMX.NAN; fmaxf would drop the NaN).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // Packed bf16x2 product, rounded to nearest (one HMUL2.BF16 instruction).
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a), y = *reinterpret_cast<__nv_bfloat162*>(&b);
