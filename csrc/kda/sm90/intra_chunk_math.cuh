@@ -824,13 +824,18 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
           qx[ii] = ld_bf16x2(st.q, addr(row0 + ii));
           kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
         }
-        if constexpr (kFoldDecay) {  // KT' = KT exp2(r_3 - r_b): both factors <= 1
-          // KT is referenced to the block end r_b for every feature, also a wide one under general
-          // gates (whose QG/KG reference `rb` above is r_{b-1} instead): so r_b from r_block here.
-          const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
-          const float2 rend = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
-          const float f0 = fast_exp2(kHalf ? r3.x - rend.x - kHalfShiftLog2 : r3.x - rend.x);
-          const float f1 = fast_exp2(kHalf ? r3.y - rend.y - kHalfShiftLog2 : r3.y - rend.y);
+        // KT in place, where it changes: the cooperative helpers' KT' = KT exp2(r_3 - r_b) (both
+        // factors <= 1; KT is referenced to the block end r_b for every feature, also a wide one
+        // under general gates, whose QG/KG reference `rb` above is r_{b-1}: so r_b from r_block
+        // here), and kHalf's fp16 KT times 2^7 back to the bf16 KT the fused state side takes.
+        if constexpr (kFoldDecay || kHalf) {
+          float f0 = 0x1p-7f, f1 = 0x1p-7f;  // kHalf alone
+          if constexpr (kFoldDecay) {
+            const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
+            const float2 rend = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
+            f0 = fast_exp2(kHalf ? r3.x - rend.x - kHalfShiftLog2 : r3.x - rend.x);
+            f1 = fast_exp2(kHalf ? r3.y - rend.y - kHalfShiftLog2 : r3.y - rend.y);
+          }
           uint32_t gx[kSubBlock];
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));
@@ -838,19 +843,10 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
           for (int ii = 0; ii < kSubBlock; ++ii) {
             const float2 kt = kHalf ? half2_to_float2(gx[ii]) : bf16x2_to_float2(gx[ii]);
             // kAqkHalf: the owners take the state update in fp16 (owner_state_math.cuh); KT' <= 1
-            if constexpr (kAqkHalf)
+            if constexpr (kFoldDecay && kAqkHalf)
               *reinterpret_cast<uint32_t*>(st.g + addr(row0 + ii)) = float2_to_half2(kt.x * f0, kt.y * f1);
             else
               st_bf16x2(st.g, addr(row0 + ii), kt.x * f0, kt.y * f1);
-          }
-        } else if constexpr (kHalf) {  // KT (fp16, times 2^7) back to bf16 for the state side
-          uint32_t gx[kSubBlock];
-#pragma unroll
-          for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));
-#pragma unroll
-          for (int ii = 0; ii < kSubBlock; ++ii) {
-            const float2 kt = half2_to_float2(gx[ii]);
-            st_bf16x2(st.g, addr(row0 + ii), kt.x * 0x1p-7f, kt.y * 0x1p-7f);
           }
         }
 #pragma unroll
