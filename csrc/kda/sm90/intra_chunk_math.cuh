@@ -63,6 +63,14 @@ constexpr float kHalfSpanLog2 = 14.f;
 constexpr float kHalfShiftLog2 = 7.f;
 constexpr bool half_operands(Decays decays, bool l2norm) { return decays != Decays::kSafe && l2norm; }
 constexpr float wide_span_log2(bool half) { return half ? kHalfSpanLog2 : kWideSpanLog2; }
+// The fused kernels' state update with fp16 A-product operands: S += KT^T v_new takes KT in fp16
+// as the prep stored it (times 2^7) with the fp16 copy of v_new that A_qk v_new already uses
+// (aqk_is_half), S scaled by the power of two that cancels both shifts around the update
+// (state_math.cuh). So step 6 leaves KT alone, and the update gains fp16's 3 bits on both
+// operands (scripts/error_budget.py: kt_s, vnew_s).
+constexpr bool half_state_update(Decays decays, bool l2norm, bool aqk_half) {
+  return half_operands(decays, l2norm) && aqk_half;
+}
 
 // The shared memory one intra-chunk warpgroup works in besides its stage. The fused kernel and a
 // cooperative helper's first intra warpgroup use SharedStorage's intra fields; a helper's second
@@ -827,8 +835,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
         // KT in place, where it changes: the cooperative helpers' KT' = KT exp2(r_3 - r_b) (both
         // factors <= 1; KT is referenced to the block end r_b for every feature, also a wide one
         // under general gates, whose QG/KG reference `rb` above is r_{b-1}: so r_b from r_block
-        // here), and kHalf's fp16 KT times 2^7 back to the bf16 KT the fused state side takes.
-        if constexpr (kFoldDecay || kHalf) {
+        // here), and kHalf's fp16 KT times 2^7 back to bf16 for a state side that takes bf16.
+        if constexpr (kFoldDecay || (kHalf && !half_state_update(kDecays, kL2Norm, kAqkHalf))) {
           float f0 = 0x1p-7f, f1 = 0x1p-7f;  // kHalf alone
           if constexpr (kFoldDecay) {
             const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);

@@ -47,6 +47,9 @@ template <bool kLongestFirst, bool kPrepAhead, bool kGateInKernel = false, bool 
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   // A_qk v_new in fp16 (shared_storage.cuh).
   constexpr bool kAqkHalf = aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst);
+  // The state update in fp16 (intra_chunk_math.cuh, half_state_update): KT times 2^7 from the
+  // prep, v_new' = v_new 2^-vn_shift from (c).
+  constexpr bool kHalfUpdate = half_state_update(kDecays, kL2Norm, kAqkHalf);
   // M folded into the chain (the fused kernels: intra_chunk_math.cuh step 8): the stage holds KG
   // and v instead of W and U, and v_new = M (beta v - KG S).
   // The only caller, the fused kernel, has prep ahead, so M is always folded here (the W / U
@@ -315,13 +318,25 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       // S += KT_b^T v_new_b for the 16-row block b (both 64-row halves of S).
       const uint32_t kt_base = smem_u32(st.g);
       const auto update_block = [&](int b) {
-        const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
+        if constexpr (kHalfUpdate) {  // fp16 KT (times 2^7) and v_new' (times 2^-vn_shift)
+          const uint64_t db = desc_mn_major(smem_u32(vn_half) + b * kSubBlock * 128, kBoxBytes);
 #pragma unroll
-        for (int mh = 0; mh < 2; ++mh) {
-          const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
-          wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
+          for (int mh = 0; mh < 2; ++mh) {
+            const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
+            wgmma_ss_f16_n64<Major::MN, Major::MN>(da, db, S.acc[mh], true);
+          }
+        } else {
+          const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
+#pragma unroll
+          for (int mh = 0; mh < 2; ++mh) {
+            const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
+            wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
+          }
         }
       };
+      // kHalfUpdate: the products carry c = 2^7 / vn_up, so S is carried as c S through the
+      // update (folded into the first row scale, a power of two: exact) and scaled back after it.
+      [[maybe_unused]] const float c_up = kHalfUpdate ? 0x1p7f * __frcp_rn(vn_up) : 1.f;  // exact: vn_up = 2^k
       // (e) State update in Horner form over the four 16-row blocks.
       float r_prev[2][2], f[2][2];
 #pragma unroll
@@ -331,6 +346,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
           const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
           r_prev[mh][h2] = st.r_block[0][kk];
           f[mh][h2] = fast_exp2(r_prev[mh][h2]);
+          if constexpr (kHalfUpdate) f[mh][h2] *= c_up;
         }
       scale_state_rows(S, f);
 #pragma unroll
@@ -360,6 +376,11 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       fence_accumulators(S.acc[0]);
       fence_accumulators(S.acc[1]);
       fence_accumulators(O);
+      if constexpr (kHalfUpdate) {  // c S -> S
+        const float c_down = vn_up * 0x1p-7f;
+        const float fd[2][2] = {{c_down, c_down}, {c_down, c_down}};
+        scale_state_rows(S, fd);
+      }
 
       // (d') O += diag(A_qk) v_new, the diagonal in fp32 (the A_qk tile has zeros there), from the
       // operand the product took (bf16 v_new, or kAqkHalf: the fp16 v_new', then O *= 2^vn_shift).
