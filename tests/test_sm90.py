@@ -917,15 +917,20 @@ def test_general_gates_match_reference(case: str, cooperative: str, seed: int, m
 #: operands, measured on H100 over fresh draws: fused 2.0e-3, cooperative 2.5e-3
 #: (scripts/general_gate_errors.py). The bound sits between the two types.
 SLOW_HEADS_RTOL = 2.8e-3
+#: Since c5c2c0d the fused general kernels with l2norm also take the state update in fp16
+#: (docs/kernel.md): their final state measured 0.29-0.49e-3 on every general-gate draw (H100,
+#: scripts/general_gate_errors.py; 2.3-2.5e-3 with bf16 operands). The cooperative mode's owners
+#: keep their own hand-over (1.6-1.8e-3) and the 3e-3 contract.
+FUSED_GENERAL_STATE_RTOL = 1e-3
 
 
 @gpu_sm90
 @pytest.mark.parametrize("cooperative", ["0", "1"], ids=["fused", "cooperative"])
 def test_general_gates_on_slow_heads(cooperative: str, seed: int, monkeypatch):
     """Kimi-Linear's softplus gate on heads that decay slowly (exp(A_log) = 0.05, 0.1, 0.2) beside
-    a fast one (4.5, whose blocks are wide): o within SLOW_HEADS_RTOL of the fp32 recurrence and the
-    final state within 3e-3 (its error is the state update's, which keeps bf16
-    operands), deterministic; varlen with a one-token and an empty sequence, GVA ratio 2."""
+    a fast one (4.5, whose blocks are wide): o within SLOW_HEADS_RTOL of the fp32 recurrence, the
+    final state within 3e-3 (cooperative) or FUSED_GENERAL_STATE_RTOL (fused: fp16 state update),
+    deterministic; varlen with a one-token and an empty sequence, GVA ratio 2."""
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", cooperative)
     spec = varlen("slow", [700, 1, 130, 0, 300], H=2, HV=4, h0=False, layout="kv")
     inp = make_inputs(spec)
@@ -939,6 +944,9 @@ def test_general_gates_on_slow_heads(cooperative: str, seed: int, monkeypatch):
     what = f"{spec.id} softplus slow heads cooperative={cooperative}"
     check_outputs(inp, o, fs, ref_o, ref_s, what=what, lens=spec.lens, rtol=3e-3)
     assert rel_err(o, ref_o) <= SLOW_HEADS_RTOL, f"{what}: o {rel_err(o, ref_o):.2e} > {SLOW_HEADS_RTOL:.1e}"
+    if cooperative == "0":
+        err_s = rel_err(fs, ref_s)
+        assert err_s <= FUSED_GENERAL_STATE_RTOL, f"{what}: state {err_s:.2e} > {FUSED_GENERAL_STATE_RTOL:.0e}"
     o2, fs2 = kda_prefill(**inp, output_final_state=True, safe_gate=False, backend="sm90")
     assert torch.equal(o, o2) and torch.equal(fs, fs2)
 
