@@ -341,6 +341,75 @@ def test_runner_fails_a_gating_error(stub_cuda: None):
     assert row["status"] == "FAIL" and row["cula_o_err"] > 0.05 and row["hbm_floor_ms"] is None
 
 
+class _FakeSafe(_RefKernel):
+    """Stands in for cula's safe gate beside the softplus rows: other outputs, not checked."""
+
+    name, label, checked = "cula_safe", "cula safe gate", False
+
+    def prepare(self, x: Inputs) -> Callable[[], Any]:
+        call = super().prepare(x)
+        return lambda: tuple(t * 3.0 for t in call())
+
+
+def test_runner_softplus_vs_safe(stub_cuda: None):
+    """The safe-gate column of the softplus rows: timed, never error-checked (its gate is not the
+    reference's, so its outputs differ and must not fail or flag the row), and the ratio
+    softplus / safe = cula ms / cula safe gate ms, eager and graph, in the row, the progress line
+    and the Markdown (instead of a "cula vs" speedup)."""
+    opt = Options(softplus_gate=True)
+    p = runner.RunParams(timing=TimingParams(warmup=1, min_reps=3, max_reps=3, min_time_s=0.0),
+                         check_tokens=32, check_mem_gib=0.01, max_sets=1)
+    cfg = Config("fixed", 1, 64, 2, 2, 16)
+    row = runner.run_config(cfg, CPU, opt, [_FakeCula(opt), _FakeSafe(opt)], {}, p,
+                            runner.Machine(1e12, 1e15, 132))
+    assert row["status"] == "ok" and not row["notes"], row["notes"]
+    assert "cula_safe_o_err" not in row and "cula_safe_state_err" not in row and row["cula_o_err"] < 1e-2
+    assert row["cula_safe_ms"] > 0
+    assert row["softplus_vs_safe"] == pytest.approx(row["cula_ms"] / row["cula_safe_ms"])
+    assert row["softplus_vs_safe_graph"] == pytest.approx(row["cula_graph_ms"] / row["cula_safe_graph_ms"])
+    names = [("cula", "cula"), ("cula_safe", "cula safe gate")]
+    assert f"softplus / safe {row['softplus_vs_safe']:.2f}x" in report.progress_line(1, 1, row, names)
+    meta = {"baselines": [{"name": nm, "label": lb} for nm, lb in names]}
+    lines = report.markdown(meta, [row], []).splitlines()
+    head = next(l for l in lines if l.startswith("| config"))
+    assert "| softplus / safe |" in head and "| softplus / safe graph |" in head
+    assert "cula vs cula safe gate" not in head
+    body = next(l for l in lines if l.startswith(f"| {row['config']} |"))
+    assert body.count("|") == head.count("|") and f"| {row['softplus_vs_safe']:.2f} |" in body
+
+
+def test_cula_safe_baseline_only_beside_softplus_rows(monkeypatch: pytest.MonkeyPatch):
+    """cula's safe gate joins the kernels with --softplus-gate only (and leaves with --no-cula or
+    --no-cula-safe); its call is the safe gate (lower_bound -5) on the row's own tensors."""
+    from kda_bench.baselines.cula_safe import CulaSafeGateBaseline
+    import cula.kda
+
+    assert [b.name for b in all_baselines(Options())] == ["cula", "fla", "flashkda"]
+    assert [b.name for b in all_baselines(Options(softplus_gate=True))] == ["cula", "cula_safe", "fla", "flashkda"]
+    for flag in ("--no-cula", "--no-cula-safe"):
+        skip = runner.skipped_names(parse_args(["--softplus-gate", flag]))
+        assert "cula_safe" in skip and ("cula" in skip) == (flag == "--no-cula")
+    cfg = Config("fixed", 1, 64, 2, 2)
+    ok, why = CulaSafeGateBaseline(Options()).supports(cfg)
+    assert not ok and "--softplus-gate" in why
+    opt = Options(softplus_gate=True)
+    b = CulaSafeGateBaseline(opt)
+    assert b.supports(cfg) == (True, "") and not b.supports(Config("fixed", 1, 64, 2, 2, 64))[0]
+    assert not b.checked and not b.gating and "safe_gate=True" in b.meta()["gate"]
+    seen: dict[str, Any] = {}
+
+    def fake_prefill(*args: Any, **kw: Any) -> str:
+        seen.update(args=args, kw=kw)
+        return "out"
+
+    monkeypatch.setattr(cula.kda, "kda_prefill", fake_prefill)
+    x = inputs(cfg, opt)
+    assert b.prepare(x)() == "out"
+    assert seen["args"][0] is x.q and seen["args"][3] is x.g and seen["kw"]["A_log"] is x.A_log
+    assert seen["kw"]["safe_gate"] is True and seen["kw"]["lower_bound"] == -5.0
+    assert seen["kw"]["use_gate_in_kernel"] is True and seen["kw"]["backend"] == "sm90"
+
+
 # ------------------------------------------------------------------------------------------------
 # reports and the entry point
 # ------------------------------------------------------------------------------------------------

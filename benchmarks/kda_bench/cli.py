@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Kimi-Linear's unbounded gate -exp(A_log)*softplus(g+dt_bias), safe_gate=False "
                         "(A_log ~ N(0,1), g ~ 2 N(0,1); FlashKDA: n/a)")
     p.add_argument("--no-cula", action="store_true", help="leave cula out")
+    p.add_argument("--no-cula-safe", action="store_true",
+                   help="with --softplus-gate: leave out cula's safe-gate time on the same tensors "
+                        "(column 'cula safe gate', ratio 'softplus / safe')")
     p.add_argument("--require-cula", action="store_true",
                    help="exit 1 when cula cannot be timed on the SM90 GPU (e.g. extension not built)")
     p.add_argument("--no-fla", action="store_true", help="leave FLA out")

@@ -14,7 +14,7 @@ COLORS = [("#8FB3E0", "#2F5D9A"), ("#F2B482", "#C0622B"), ("#A8D5A2", "#3F8A3A")
 
 def plot(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> str | None:
     """Writes the chart to ``path``; returns None on success, else why it was not written."""
-    others = [(nm, lb) for nm, lb in kernels(meta) if nm != "cula"]
+    others = [(nm, lb) for nm, lb in kernels(meta) if nm not in ("cula", "cula_safe")]
     series = [(nm, lb, graph) for nm, lb in others for graph in (False, True)]
     key = {(nm, graph): f"cula_vs_{nm}" + ("_graph" if graph else "") for nm, _, graph in series}
     pts = [r for r in rows if any(r.get(k) for k in key.values())]

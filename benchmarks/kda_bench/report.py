@@ -57,7 +57,10 @@ def progress_line(i: int, n: int, row: dict[str, Any], names: list[tuple[str, st
         parts.append(f"{lb} {cell(row, nm, 'ms', '.3f')} ms (graph {cell(row, nm, 'graph_ms', '.3f')})")
     if any(nm == "cula" for nm, _ in ran):
         for nm, lb in ran:
-            if nm != "cula":
+            if nm == "cula_safe":
+                parts.append(f"softplus / safe {fmt_num(row.get('softplus_vs_safe'), '.2f')}x "
+                             f"(graph {fmt_num(row.get('softplus_vs_safe_graph'), '.2f')}x)")
+            elif nm != "cula":
                 parts.append(f"cula vs {lb} {speedup_cell(row, nm, False)}x "
                              f"(graph {speedup_cell(row, nm, True)}x)")
     errs = " ".join(f"{lb} {cell(row, nm, 'o_err', '.1e')}/{cell(row, nm, 'state_err', '.1e')}"
@@ -95,7 +98,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], statements: list[
     names = kernels(meta)
     labels = [lb for _, lb in names]
     has_cula = any(nm == "cula" for nm, _ in names)
-    others = [(nm, lb) for nm, lb in names if nm != "cula"] if has_cula else []
+    # Speedup columns against the other kernels; cula's safe gate beside the softplus rows gets
+    # the ratio the other way round ("softplus / safe": cula ms / its safe-gate ms).
+    others = [(nm, lb) for nm, lb in names if nm not in ("cula", "cula_safe")] if has_cula else []
+    with_safe = has_cula and any(nm == "cula_safe" for nm, _ in names)
     L = [f"# KDA prefill: {' vs '.join(labels)} — {meta.get('device', '?')}", ""]
     L.append(f"- date: {meta.get('date')}, commit: `{meta.get('commit')}`")
     L.append(f"- torch {meta.get('torch')}, triton {meta.get('triton')}, FLA {meta.get('fla')}, "
@@ -120,9 +126,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], statements: list[
     if rows:
         head = ["config", "B", "N", "H", "HV"]
         head += [f"{lb} ms" for lb in labels]
-        head += [f"cula vs {lb}" for _, lb in others]
+        head += [f"cula vs {lb}" for _, lb in others] + (["softplus / safe"] if with_safe else [])
         head += [f"{lb} graph ms" for lb in labels]
-        head += [f"cula vs {lb} graph" for _, lb in others]
+        head += [f"cula vs {lb} graph" for _, lb in others] + (["softplus / safe graph"] if with_safe else [])
         head += [f"err o / S {lb}" for lb in labels]
         head += [f"SM·µs/chunk·head {lb}" for lb in labels]
         head += ["HBM floor ms"] + [f"{lb}/HBM" for lb in labels]
@@ -133,8 +139,10 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]], statements: list[
             c = [r["config"]] + [str(r.get(k, "—")) for k in ("B", "N", "H", "HV")]
             c += [cell(r, nm, "ms", ".3f") for nm, _ in names]
             c += [speedup_cell(r, nm, False) for nm, _ in others]
+            c += [fmt_num(r.get("softplus_vs_safe"), ".2f")] if with_safe else []
             c += [cell(r, nm, "graph_ms", ".3f") for nm, _ in names]
             c += [speedup_cell(r, nm, True) for nm, _ in others]
+            c += [fmt_num(r.get("softplus_vs_safe_graph"), ".2f")] if with_safe else []
             c += [f"{cell(r, nm, 'o_err', '.1e')} / {cell(r, nm, 'state_err', '.1e')}"
                   for nm, _ in names]
             c += [cell(r, nm, "sm_us_per_chunk_head", ".1f") for nm, _ in names]

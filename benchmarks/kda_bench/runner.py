@@ -147,7 +147,7 @@ def _check_errors(cfg: Config, sets: list[Inputs], kernels: list[Baseline], outs
         row["check"] = sl.desc
         ref_o, ref_s = reference_call(reference, sets[0] if sl.full else sl.x, opt, torch.float32)
         for b in kernels:
-            if b.name not in outs:
+            if b.name not in outs or not b.checked:
                 continue
             o, st = outs[b.name]
             row[f"{b.name}_o_err"] = rel_err(sl.take_o(o, cfg), ref_o)
@@ -170,7 +170,8 @@ def _check_errors(cfg: Config, sets: list[Inputs], kernels: list[Baseline], outs
 
 
 def _derived(row: dict[str, Any], cfg: Config, names: list[str], m: Machine) -> None:
-    """Speedups (other ms / cula ms), time / HBM floor, SM·µs per chunk-head."""
+    """Speedups (other ms / cula ms), time / HBM floor, SM·µs per chunk-head, and with cula's
+    safe gate beside the softplus rows ``softplus_vs_safe`` (cula ms / cula safe gate ms)."""
     for mode in ("", "_graph"):
         c = row.get(f"cula{mode}_ms")
         for nm in names:
@@ -182,6 +183,9 @@ def _derived(row: dict[str, Any], cfg: Config, names: list[str], m: Machine) -> 
             if row.get("hbm_floor_ms"):
                 row[f"{nm}{mode}_hbm_ratio"] = t / row["hbm_floor_ms"]
             row[f"{nm}{mode}_sm_us_per_chunk_head"] = sm_us_per_chunk_head(t, m.sm_count, cfg)
+        # The softplus rows: cula's general-gate time over its safe-gate time on the same tensors.
+        if c and row.get(f"cula_safe{mode}_ms"):
+            row[f"softplus_vs_safe{mode}"] = c / row[f"cula_safe{mode}_ms"]
 
 
 def _verdict(row: dict[str, Any], kernels: list[Baseline], tol: float) -> None:
@@ -325,9 +329,9 @@ def selected_configs(args: argparse.Namespace) -> list[Config]:
 
 
 def skipped_names(args: argparse.Namespace) -> frozenset[str]:
-    """Kernels left out by --no-cula / --no-fla / --no-flashkda."""
-    return frozenset(nm for nm, flag in (("cula", args.no_cula), ("fla", args.no_fla),
-                                         ("flashkda", args.no_flashkda)) if flag)
+    """Kernels left out by --no-cula / --no-cula-safe / --no-fla / --no-flashkda."""
+    return frozenset(nm for nm, flag in (("cula", args.no_cula), ("cula_safe", args.no_cula or args.no_cula_safe),
+                                         ("fla", args.no_fla), ("flashkda", args.no_flashkda)) if flag)
 
 
 def gpu_path(device: Device, args: argparse.Namespace) -> int:
@@ -347,7 +351,7 @@ def gpu_path(device: Device, args: argparse.Namespace) -> int:
     with torch.inference_mode():
         usable, unavailable, statements, ok = preflight(kernels, dev, opt, args.dim)
         rc = 0 if ok else 1
-        statements += [f"{b.label} not timed: --no-{b.name}" for b in all_baselines(opt)
+        statements += [f"{b.label} not timed: --no-{b.name.replace('_', '-')}" for b in all_baselines(opt)
                        if b.name in skip]
         if args.require_cula and not any(b.name == "cula" for b in usable):
             statements.append("--require-cula: cula could not be timed")

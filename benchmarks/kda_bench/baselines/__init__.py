@@ -46,6 +46,10 @@ class Baseline(abc.ABC):
     # configuration, non-deterministic results): true for cula, the product; the others are
     # informational.
     gating: ClassVar[bool] = False
+    # Whether its outputs are compared with the fp32 recurrence of the run's options (False for
+    # a kernel timed on the same tensors under other options, e.g. cula's safe gate beside the
+    # softplus rows: baselines/cula_safe.py).
+    checked: ClassVar[bool] = True
 
     def __init__(self, opt: Options) -> None:
         self.opt = opt
@@ -88,9 +92,12 @@ class Baseline(abc.ABC):
 
 
 def all_baselines(opt: Options, skip: frozenset[str] = frozenset()) -> list[Baseline]:
-    """cula first (speedups are relative to it), then FLA, then FlashKDA; minus ``skip`` names."""
+    """cula first (speedups are relative to it), with the softplus gate cula's safe gate on the same
+    tensors next, then FLA, then FlashKDA; minus ``skip`` names."""
     from kda_bench.baselines.cula import CulaBaseline
+    from kda_bench.baselines.cula_safe import CulaSafeGateBaseline
     from kda_bench.baselines.fla import FlaBaseline
     from kda_bench.baselines.flashkda import FlashKdaBaseline
 
-    return [cls(opt) for cls in (CulaBaseline, FlaBaseline, FlashKdaBaseline) if cls.name not in skip]
+    classes = [CulaBaseline] + ([CulaSafeGateBaseline] if opt.softplus_gate else []) + [FlaBaseline, FlashKdaBaseline]
+    return [cls(opt) for cls in classes if cls.name not in skip]
