@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from kda_bench.baselines import Baseline
-from kda_bench.inputs import Inputs
+from kda_bench.inputs import Inputs, Options
 from kda_bench.suite import Config
 from kda_bench.util import first_line
 
@@ -65,10 +65,15 @@ class CulaBaseline(Baseline):
             return False, f"the sm90 kernel needs K = V = 128 (D={cfg.D})"
         return True, ""
 
+    def call_options(self) -> Options:
+        """The options of the timed call (the run's; cula's safe gate beside the softplus rows
+        overrides this)."""
+        return self.opt
+
     def prepare(self, x: Inputs) -> Callable[[], Any]:
         from cula.kda import kda_prefill
 
-        opt = self.opt
+        opt = self.call_options()
 
         def call() -> Any:
             return kda_prefill(x.q, x.k, x.v, x.g, x.beta, scale=None, initial_state=x.h0,

@@ -10,11 +10,12 @@ follows the softplus gate) and are not checked (:attr:`Baseline.checked`). The r
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any
 
 from kda_bench.baselines import Baseline
 from kda_bench.baselines.cula import CulaBaseline, cula_schedule
-from kda_bench.inputs import LOWER_BOUND, Inputs
+from kda_bench.inputs import LOWER_BOUND, Options
 from kda_bench.suite import Config
 
 
@@ -31,18 +32,9 @@ class CulaSafeGateBaseline(CulaBaseline):
             return False, "only beside --softplus-gate (the safe-gate time of the softplus rows)"
         return super().supports(cfg)
 
-    def prepare(self, x: Inputs) -> Callable[[], Any]:
-        from cula.kda import kda_prefill
-
-        opt = self.opt
-
-        def call() -> Any:
-            return kda_prefill(x.q, x.k, x.v, x.g, x.beta, scale=None, initial_state=x.h0,
-                               output_final_state=True, cu_seqlens=x.cu,
-                               use_qk_l2norm_in_kernel=opt.l2norm, use_gate_in_kernel=True,
-                               A_log=x.A_log, dt_bias=x.dt_bias, safe_gate=True,
-                               lower_bound=LOWER_BOUND, state_layout=opt.state_layout, backend="sm90")
-        return call
+    def call_options(self) -> Options:
+        """The run's options with the safe gate: ``safe_gate=True``, ``lower_bound=-5``, gate in kernel."""
+        return dataclasses.replace(self.opt, softplus_gate=False, gate_in_kernel=True, lower_bound=LOWER_BOUND)
 
     def row_info(self, cfg: Config, sm_count: int) -> dict[str, Any]:
         return {"cula_safe_schedule": cula_schedule(cfg, sm_count, general_gates=False)}
