@@ -64,9 +64,11 @@ static_assert(offsetof(SharedStorage, v_new) == offsetof(SharedStorage, state_bf
 // record which (block, feature) pairs are wide (st.wide_pair) and compute their exact
 // diagonal-block terms (wide_diagonal_terms) into the A_qk tile; `state_tiles` is
 // SharedStorage::state_bf16 (with v_new after it).
+// `timer` (profile builds, -DCULA_KDA_PROFILE; a no-op otherwise): phase 8 = steps 1-3 up to the
+// operands (row statistics, gates, cumulative sums, QE / KE / KT), phase 9 = the exact pass.
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays>
 __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* state_tiles, int rows,
-                                                 const GateConstants& gc, int tid) {
+                                                 const GateConstants& gc, int tid, PhaseTimer& timer) {
   constexpr bool kGeneral = kDecays != Decays::kSafe;
   constexpr bool kHalf = half_operands(kDecays, kL2Norm);  // fp16 A-product operands
   constexpr NamedBarrierId bar = NamedBarrierId::kStatePrep;
@@ -98,12 +100,14 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* stat
   }
   store_block_operands<kGeneral, kL2Norm, kHalf>(st, addr, row0, G0, G1, cum0, cum1, wide0 ? 0.f : cum0,
                                           wide1 ? 0.f : cum1, qx, kx, rnorm);
+  timer.mark(8);
   if constexpr (kGeneral) {
     const int warp = tid >> 5;
     float* partials = reinterpret_cast<float*>(state_tiles + kPrepPartialsOffset);
     wide_diagonal_terms<kL2Norm>(partials + ((b * 2 + (warp & 1)) * 2) * 256,
                                  smem_u32(state_tiles + kPrepStagingOffset + warp * kWideStagingBytes), G0, G1, qx,
                                  kx, wide0, wide1, rnorm, b, tid);
+    timer.mark(9);
   }
   named_barrier_sync(bar, kPrepThreads);  // every block's total (and partial corrections) is written
   float off0 = 0.f, off1 = 0.f;

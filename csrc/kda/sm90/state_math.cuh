@@ -88,7 +88,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     }
     StageStorage& st = smem.stage[at.stage];
     cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[at.stage], at.phase);
-    prep_chunk_ahead<kGateInKernel, kL2Norm, kDecays>(st, smem.state_bf16[0], rows, gc, prep_tid);
+    timer.mark(7);  // the stage's load (and, at a tile's start, the tile change) waited for
+    prep_chunk_ahead<kGateInKernel, kL2Norm, kDecays>(st, smem.state_bf16[0], rows, gc, prep_tid, timer);
     cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[at.stage]);
   };
   // With prep ahead the warpgroups fetch the next tile at the current one's last chunk (`ahead`)
@@ -416,7 +417,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
   }
   zero_uncovered_rows(p, int(blockIdx.x), tid + 128 * half, int(gridDim.x));
-  timer.report(half ? "state1: wait s2smem P vnew O+S store prep" : "state0: wait s2smem P vnew O+S store prep", tid);
+  timer.report(half ? "state1: wait s2smem P vnew O+S store prep-rest load-wait prep-ops exact"
+                    : "state0: wait s2smem P vnew O+S store prep-rest load-wait prep-ops exact", tid);
 }
 
 }  // namespace cula::kda::sm90
