@@ -195,13 +195,35 @@ __device__ __forceinline__ void wide_diagonal_terms(float* corr_qk, uint32_t stg
   // (which rows are upper, their staging rows, where a running product restarts) folds away;
   // as a runtime loop it cost ~1.2k instructions per level instead of ~0.2k (ncu). The caller's
   // loop over blocks is not unrolled, so this code exists once.
+  // Software-pipelined: a level's products are written out only after the next level's staging,
+  // so that the staging's ~100 instructions run while the products' MMA chain completes (the
+  // pass is latency-bound: ~1k cycles per level at ~0.15k instructions, docs/perf-notes.md), and
+  // each level's four products form two chains of two (two accumulators, added at the write).
+  float acc_lo[4], acc_hi[4];  // the last level's partial products (k-steps 0 and 1 of each pair)
+  const auto write_level = [&](int lv) {
+    const int lh = 3 - lv, half = 1 << lh;
+    // Lane (g4, t4): upper row u = g4 against lower rows c = 2 t4, 2 t4 + 1; a pair from two
+    // different groups of this level belongs to an earlier level and is dropped.
+    const int i = ((g4 >> lh) << (lh + 1)) + half + (g4 & (half - 1));
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 2 * t4 + e;
+      if ((g4 >> lh) == (c >> lh)) {
+        const int j = ((c >> lh) << (lh + 1)) + (c & (half - 1));
+        float sq = 1.f, sk = 1.f;
+        if constexpr (kL2Norm) {
+          const float rkj = rnorm[kChunk + kSubBlock * block + j];
+          sq = rnorm[kSubBlock * block + i] * rkj;
+          sk = rnorm[kChunk + kSubBlock * block + i] * rkj;
+        }
+        corr_kk[i * kSubBlock + j] = (acc_lo[e] + acc_hi[e]) * sk;
+        corr_qk[i * kSubBlock + j] = (acc_lo[2 + e] + acc_hi[2 + e]) * sq;
+      }
+    }
+  };
 #pragma unroll
   for (int level = 0; level < 4; ++level) {
     const int lh = 3 - level, half = 1 << lh;  // rows per half-group: 8, 4, 2, 1
-    // Factors of row ii: exp2(G_ii - G_m) for an upper row (a running product from m + 1 up),
-    // exp2(G_m - G_ii) for a lower row (from m down); m = the last row of its group's lower half.
-    // Staging rows: the u-th upper row's KX to row u and its QX to row 8 + u, the u-th lower row's
-    // KX to row 16 + u, with u = (ii / group) * half + ii % half.
     __syncwarp();  // the previous level's ldmatrix reads are done before the staging is rewritten
     float run0 = 1.f, run1 = 1.f;
 #pragma unroll
@@ -231,36 +253,21 @@ __device__ __forceinline__ void wide_diagonal_terms(float* corr_qk, uint32_t stg
                       bf16x2_mul(kx[ii] & keep, float2_to_bf16x2(run0, run1)));
       }
     }
+    if (level > 0) write_level(level - 1);  // the previous level's products, done by now
     __syncwarp();
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows 0-7: A_kk, 8-15: A_qk; columns: lower rows
+#pragma unroll
+    for (int x = 0; x < 4; ++x) acc_lo[x] = acc_hi[x] = 0.f;  // rows 0-7: A_kk, 8-15: A_qk; columns: lower rows
 #pragma unroll
     for (int ks = 0; ks < 4; ks += 2) {  // 16 features per k-step, B for two k-steps per ldmatrix
       uint32_t bf[4], af[4];
       ldmatrix_x4(stg + wide_staging_offset(16 + lm_row, 2 * ks + lm_sel), bf);
       ldmatrix_x4(stg + wide_staging_offset((lm_sel & 1) * 8 + lm_row, 2 * ks + (lm_sel >> 1)), af);
-      mma_m16n8k16_bf16(af, bf[0], bf[1], acc);
+      mma_m16n8k16_bf16(af, bf[0], bf[1], acc_lo);
       ldmatrix_x4(stg + wide_staging_offset((lm_sel & 1) * 8 + lm_row, 2 * ks + 2 + (lm_sel >> 1)), af);
-      mma_m16n8k16_bf16(af, bf[2], bf[3], acc);
-    }
-    // Lane (g4, t4): upper row u = g4 against lower rows c = 2 t4, 2 t4 + 1; a pair from two
-    // different groups of this level belongs to an earlier level and is dropped.
-    const int i = ((g4 >> lh) << (lh + 1)) + half + (g4 & (half - 1));
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int c = 2 * t4 + e;
-      if ((g4 >> lh) == (c >> lh)) {
-        const int j = ((c >> lh) << (lh + 1)) + (c & (half - 1));
-        float sq = 1.f, sk = 1.f;
-        if constexpr (kL2Norm) {
-          const float rkj = rnorm[kChunk + kSubBlock * block + j];
-          sq = rnorm[kSubBlock * block + i] * rkj;
-          sk = rnorm[kChunk + kSubBlock * block + i] * rkj;
-        }
-        corr_kk[i * kSubBlock + j] = acc[e] * sk;
-        corr_qk[i * kSubBlock + j] = acc[2 + e] * sq;
-      }
+      mma_m16n8k16_bf16(af, bf[2], bf[3], acc_hi);
     }
   }
+  write_level(3);
 }
 
 // The gate's constants for one value head and the thread's feature pair (tid % 64), folded once
