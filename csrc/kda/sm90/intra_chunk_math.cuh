@@ -55,22 +55,16 @@ constexpr float kWideSpanLog2 = 100.f;
 // with |q|, |k| <= 1 (l2norm) and e, f within [2^-14, 2^14] all three lie within [|x| 2^-7, 2^7],
 // fp16's normal range for all but tiny elements, and the scale pairs exp2(r_w - r_bj) of adjacent
 // blocks stay >= 2^-14 (normal). Products QE KT^T are unchanged by the 2^-7 / 2^7 split; step 6
-// undoes it (QG, KG from exp2(ref + 7); KT back to bf16 times 2^-7, or KT' in fp16), so the state
-// side sees the same operands as before. The type is fixed per instantiation (the safe-gate and
-// no-l2norm kernels keep bf16 and the 100-log2 threshold): a per-chunk type choice cost the
-// safe-gate rows 2-10 % (docs/perf-notes.md, "narrow chunks").
+// undoes it for QG, KG (from exp2(ref + 7)) and leaves KT in fp16: the fused kernels' state update
+// takes it so, with the fp16 v_new' of A_qk v_new and S scaled by the power of two that cancels
+// both shifts (state_math.cuh, step (e); scripts/error_budget.py: kt_s, vnew_s), and the
+// cooperative helpers turn it into KT' (fp16 too). The type is fixed per instantiation (the
+// safe-gate and no-l2norm kernels keep bf16 and the 100-log2 threshold): a per-chunk type choice
+// cost the safe-gate rows 2-10 % (docs/perf-notes.md, "narrow chunks").
 constexpr float kHalfSpanLog2 = 14.f;
 constexpr float kHalfShiftLog2 = 7.f;
 constexpr bool half_operands(Decays decays, bool l2norm) { return decays != Decays::kSafe && l2norm; }
 constexpr float wide_span_log2(bool half) { return half ? kHalfSpanLog2 : kWideSpanLog2; }
-// The fused kernels' state update with fp16 A-product operands: S += KT^T v_new takes KT in fp16
-// as the prep stored it (times 2^7) with the fp16 copy of v_new that A_qk v_new already uses
-// (aqk_is_half), S scaled by the power of two that cancels both shifts around the update
-// (state_math.cuh). So step 6 leaves KT alone, and the update gains fp16's 3 bits on both
-// operands (scripts/error_budget.py: kt_s, vnew_s).
-constexpr bool half_state_update(Decays decays, bool l2norm, bool aqk_half) {
-  return half_operands(decays, l2norm) && aqk_half;
-}
 
 // The shared memory one intra-chunk warpgroup works in besides its stage. The fused kernel and a
 // cooperative helper's first intra warpgroup use SharedStorage's intra fields; a helper's second
@@ -721,6 +715,9 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
   float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
     constexpr bool kGeneral = kDecays != Decays::kSafe;
     constexpr bool kHalf = half_operands(kDecays, kL2Norm);  // QE, KE, KT in fp16 (kHalfSpanLog2)
+    // An fp16 KT goes on only to a state side that takes it in fp16: the cooperative owners (KT')
+    // or the fused kernels' state warpgroups, whose A_qk v_new and state update are fp16.
+    static_assert(!kHalf || kFoldDecay || kAqkHalf, "fp16 KT needs an fp16 state update");
     if constexpr (!kPrepped) {
       intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rnorm, row_stats, ws.a_ref, rows,
                                                                gate_scale, gate_bias, tid);
@@ -839,18 +836,15 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
           qx[ii] = ld_bf16x2(st.q, addr(row0 + ii));
           kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
         }
-        // KT in place, where it changes: the cooperative helpers' KT' = KT exp2(r_3 - r_b) (both
-        // factors <= 1; KT is referenced to the block end r_b for every feature, also a wide one
-        // under general gates, whose QG/KG reference `rb` above is r_{b-1}: so r_b from r_block
-        // here), and kHalf's fp16 KT times 2^7 back to bf16 for a state side that takes bf16.
-        if constexpr (kFoldDecay || (kHalf && !half_state_update(kDecays, kL2Norm, kAqkHalf))) {
-          float f0 = 0x1p-7f, f1 = 0x1p-7f;  // kHalf alone
-          if constexpr (kFoldDecay) {
-            const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
-            const float2 rend = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
-            f0 = fast_exp2(kHalf ? r3.x - rend.x - kHalfShiftLog2 : r3.x - rend.x);
-            f1 = fast_exp2(kHalf ? r3.y - rend.y - kHalfShiftLog2 : r3.y - rend.y);
-          }
+        // The cooperative helpers' KT' = KT exp2(r_3 - r_b) in place (both factors <= 1; KT is
+        // referenced to the block end r_b for every feature, also a wide one under general gates,
+        // whose QG/KG reference `rb` above is r_{b-1}: so r_b from r_block here; kHalf: times
+        // 2^-7 as well). The fused kernels leave KT as the prep stored it.
+        if constexpr (kFoldDecay) {
+          const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
+          const float2 rend = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
+          const float f0 = fast_exp2(kHalf ? r3.x - rend.x - kHalfShiftLog2 : r3.x - rend.x);
+          const float f1 = fast_exp2(kHalf ? r3.y - rend.y - kHalfShiftLog2 : r3.y - rend.y);
           uint32_t gx[kSubBlock];
 #pragma unroll
           for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));

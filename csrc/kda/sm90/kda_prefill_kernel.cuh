@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       } else {
         cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();  // for the owner's state warpgroups
       }
-    } else {
+    } else if constexpr (kPass == KernelPass::kFused) {  // (the helpers' kernel returned above)
       cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
       run_intra_chunk<kGateInKernel, kL2Norm, kLongestFirst, false, kDecays, kPrepAhead>(kp, smem);
     }

@@ -47,9 +47,11 @@ template <bool kLongestFirst, bool kPrepAhead, bool kGateInKernel = false, bool 
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
   // A_qk v_new in fp16 (shared_storage.cuh).
   constexpr bool kAqkHalf = aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst);
-  // The state update in fp16 (intra_chunk_math.cuh, half_state_update): KT times 2^7 from the
-  // prep, v_new' = v_new 2^-vn_shift from (c).
-  constexpr bool kHalfUpdate = half_state_update(kDecays, kL2Norm, kAqkHalf);
+  // The state update in fp16 where the A products took fp16 operands (intra_chunk_math.cuh,
+  // half_operands): KT times 2^7 as the prep stored it, and the fp16 v_new' = v_new 2^-vn_shift
+  // of A_qk v_new from (c); S scaled by the power of two that cancels both shifts (step (e)).
+  constexpr bool kHalfUpdate = half_operands(kDecays, kL2Norm);
+  static_assert(!kHalfUpdate || kAqkHalf, "the fp16 update takes v_new' from A_qk v_new's fp16 copy");
   // M folded into the chain (the fused kernels: intra_chunk_math.cuh step 8): the stage holds KG
   // and v instead of W and U, and v_new = M (beta v - KG S).
   // The only caller, the fused kernel, has prep ahead, so M is always folded here (the W / U
