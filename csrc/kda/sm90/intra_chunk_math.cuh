@@ -183,7 +183,6 @@ __device__ __forceinline__ void wide_diagonal_terms(float* corr_qk, uint32_t stg
     d0[t] = fast_exp2(G0[t] - G0[t - 1]);
     d1[t] = fast_exp2(G1[t] - G1[t - 1]);
   }
-  const uint32_t st_lane = uint32_t((lane & 3) << 2);  // the lane's 4 bytes in its 16-byte chunk
   const int lm_row = lane & 7, lm_sel = lane >> 3;     // ldmatrix: row within a matrix, matrix
   // The four levels unrolled: with the level known at compile time the row bookkeeping below
   // (which rows are upper, their staging rows, where a running product restarts) folds away;
@@ -220,18 +219,33 @@ __device__ __forceinline__ void wide_diagonal_terms(float* corr_qk, uint32_t stg
     const int lh = 3 - level, half = 1 << lh;  // rows per half-group: 8, 4, 2, 1
     __syncwarp();  // the previous level's ldmatrix reads are done before the staging is rewritten
     float run0 = 1.f, run1 = 1.f;
+    // Staged four rows at a time by stmatrix (.trans): lane (g4, t4)'s pair of a row, features
+    // 2 p and 2 p + 1 (p = lane), lands in 16-byte chunks 2 t4 and 2 t4 + 1 of that row as element
+    // g4, so chunk j holds features 8 e + j (e = 0..7): the same permutation of the 64 features for
+    // A and B, so the products are the same sums over features (in another fp32 order: the two
+    // accumulators now take features {0, 1, 8, 9, ...} and the rest, deterministic but not
+    // bitwise the same as the 4-byte staging's). One STSM per four rows instead
+    // of four 4-byte stores; lane 8 m + j gives the address of chunk j of the m-th row.
+    uint32_t up_k[8], up_q[8], low_k[8];
+    const auto stage4 = [&](int row0, uint32_t v0, uint32_t v1, uint32_t v2, uint32_t v3) {
+      stmatrix_x4_trans(stg + wide_staging_offset(row0 + (lane >> 3), lane & 7), v0, v1, v2, v3);
+    };
 #pragma unroll
     for (int ii = 1; ii < kSubBlock; ++ii) {  // upper rows (row 0 is always a lower row)
       const bool first = (ii & (half - 1)) == 0;
       run0 = (first ? 1.f : run0) * d0[ii];
       run1 = (first ? 1.f : run1) * d1[ii];
       if (ii & half) {
-        const int u = ((ii >> (lh + 1)) << lh) + (ii & (half - 1));
+        const int u = ((ii >> (lh + 1)) << lh) + (ii & (half - 1));  // 0..7 in order of ii
         // Packed: the factor pair rounded to bf16 once, then one bf16x2 multiply per operand (one
         // more 2^-9 rounding of these terms; fewer instructions and registers in this pass).
         const uint32_t r = float2_to_bf16x2(run0, run1);
-        st_shared_u32(stg + wide_staging_offset(u, g4) + st_lane, bf16x2_mul(kx[ii] & keep, r));
-        st_shared_u32(stg + wide_staging_offset(8 + u, g4) + st_lane, bf16x2_mul(qx[ii] & keep, r));
+        up_k[u] = bf16x2_mul(kx[ii] & keep, r);
+        up_q[u] = bf16x2_mul(qx[ii] & keep, r);
+        if ((u & 3) == 3) {
+          stage4(u - 3, up_k[u - 3], up_k[u - 2], up_k[u - 1], up_k[u]);
+          stage4(8 + u - 3, up_q[u - 3], up_q[u - 2], up_q[u - 1], up_q[u]);
+        }
       }
     }
 #pragma unroll
@@ -242,9 +256,9 @@ __device__ __forceinline__ void wide_diagonal_terms(float* corr_qk, uint32_t stg
         run1 = last ? 1.f : run1 * d1[ii + 1];
       }
       if (!(ii & half)) {
-        const int u = ((ii >> (lh + 1)) << lh) + (ii & (half - 1));
-        st_shared_u32(stg + wide_staging_offset(16 + u, g4) + st_lane,
-                      bf16x2_mul(kx[ii] & keep, float2_to_bf16x2(run0, run1)));
+        const int u = ((ii >> (lh + 1)) << lh) + (ii & (half - 1));  // 7..0 in order of ii
+        low_k[u] = bf16x2_mul(kx[ii] & keep, float2_to_bf16x2(run0, run1));
+        if ((u & 3) == 0) stage4(16 + u, low_k[u], low_k[u + 1], low_k[u + 2], low_k[u + 3]);
       }
     }
     if (level > 0) write_level(level - 1);  // the previous level's products, done by now
