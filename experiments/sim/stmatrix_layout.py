@@ -1,4 +1,4 @@
-"""Layout simulation of experiments/exact-pass-stmatrix.patch: stmatrix.x4.trans staging, the exact
+"""Layout simulation of the exact pass's stmatrix.x4.trans staging (merged in 132090b: intra_chunk_math.cuh, wide_diagonal_terms), the exact
 pass's ldmatrix addressing and m16n8k16 fragments, checked against direct sums over the 64
 features for every pair j < i of all four levels (random integers, so the sums are exact).
 Run: python experiments/sim/stmatrix_layout.py (no GPU; pure index arithmetic)."""
