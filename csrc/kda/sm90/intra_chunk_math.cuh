@@ -142,9 +142,6 @@ __device__ __forceinline__ uint32_t wide_staging(const IntraScratch& ws, StageSt
 __device__ __forceinline__ uint32_t wide_staging_offset(int row, int chunk) {
   return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4));
 }
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
 
 // Exact diagonal-block terms of the wide features of one 16-row block, on the tensor cores.
 // For j < i inside the block the term is q_i k_j exp2(G_i - G_j) (and k_i k_j ...), which the
