@@ -961,6 +961,17 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
         store_accumulator_bf16<128>(slot, acc, warp, lane, 0);
       };
       product(mw_frag, st.k, false);
+      if constexpr (kFoldDecay) {
+        // The owners' decay of S over the chunk, exp2(G_last) per feature, over the last block's
+        // r_b (which they read for nothing else): one MUFU per feature here instead of 32 per
+        // owner thread and chunk on their chain. Every read of r_block (step 6) lies before the
+        // inverse's first barrier, and the storer copies the stage after the fence below.
+        if (tid < kHeadDim / 2) {
+          float2* r3 = reinterpret_cast<float2*>(&st.r_block[kNumSubBlocks - 1][2 * tid]);
+          const float2 r = *r3;
+          *r3 = make_float2(fast_exp2(r.x), fast_exp2(r.y));
+        }
+      }
       product(mu_frag, st.v, true);
     }
 }

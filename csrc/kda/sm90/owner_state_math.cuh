@@ -108,10 +108,11 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
   timer.mark(0);
 
   // (a) S^T as bf16 A fragments, then (while (b) runs) the decay of the whole chunk applied
-  // to the fp32 accumulator: column k of S^T times exp2(G_last[k]).
+  // to the fp32 accumulator: column k of S^T times exp2(G_last[k]), which the helper left in the
+  // stage's last r_block row (intra_chunk_math.cuh, step 8: no MUFU on the owner's chain).
   uint32_t sa[8][4];
   accumulator_to_fragments(St, sa);
-  const uint32_t w_base = smem_u32(st.k), qg_base = smem_u32(st.q);
+  const uint64_t w_desc = desc_k_major(smem_u32(st.k)), qg_desc = desc_k_major(smem_u32(st.q));
   float Pt[32];
 #pragma unroll
   for (int r = 0; r < 32; ++r) Pt[r] = 0.f;
@@ -124,19 +125,19 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
   // (b) P^T = S^T W^T: k-step ks covers features 16 ks .. 16 ks + 15 (box ks / 4 of W's rows).
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks)
-    wgmma_rs<64, Major::K>(sa[ks], desc_k_major(w_base + (ks >> 2) * kBoxBytes + (ks & 3) * 32), Pt, true);
+    wgmma_rs<64, Major::K>(sa[ks], desc_advance(w_desc, (ks >> 2) * kBoxBytes + (ks & 3) * 32), Pt, true);
   wgmma_commit();
   // (d, first part) O^T = S^T QG^T, its own batch: runs while v_new is formed.
   if (with_out) {
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks)
-      wgmma_rs<64, Major::K>(sa[ks], desc_k_major(qg_base + (ks >> 2) * kBoxBytes + (ks & 3) * 32), Ot, true);
+      wgmma_rs<64, Major::K>(sa[ks], desc_advance(qg_desc, (ks >> 2) * kBoxBytes + (ks & 3) * 32), Ot, true);
     wgmma_commit();
   }
 #pragma unroll
   for (int n8 = 0; n8 < 16; ++n8) {
-    const float2 r = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][8 * n8 + 2 * t4]);
-    const float f0 = fast_exp2(r.x), f1 = fast_exp2(r.y);
+    const float2 f = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][8 * n8 + 2 * t4]);
+    const float f0 = f.x, f1 = f.y;
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       St[n8 * 4 + h2 * 2] *= f0;
@@ -219,24 +220,24 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
 
   // (d) O^T += v_new^T A_qk^T and (e) S^T += v_new^T KT', one batch (after the O^T batch above
   // in the WGMMA queue, which orders the two accumulations into O^T).
-  const uint32_t aqk_base = smem_u32(st.aqk), kt_base = smem_u32(st.g);
+  const uint64_t aqk_desc = desc_k_major(smem_u32(st.aqk)), kt_desc = desc_mn_major(smem_u32(st.g), kBoxBytes);
   fence_accumulators(St);
   wgmma_fence();
   if (with_out) {
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks) {
       if constexpr (kAqkHalf)
-        wgmma_rs_f16<64, Major::K>(va[ks], desc_k_major(aqk_base + ks * 32), Ot, true);
+        wgmma_rs_f16<64, Major::K>(va[ks], desc_advance(aqk_desc, ks * 32), Ot, true);
       else
-        wgmma_rs<64, Major::K>(va[ks], desc_k_major(aqk_base + ks * 32), Ot, true);
+        wgmma_rs<64, Major::K>(va[ks], desc_advance(aqk_desc, ks * 32), Ot, true);
     }
   }
 #pragma unroll
   for (int ks = 0; ks < kChunk / 16; ++ks) {
     if constexpr (kAqkHalf)
-      wgmma_rs_f16<128, Major::MN>(va[ks], desc_mn_major(kt_base + ks * kSubBlock * 128, kBoxBytes), St, true);
+      wgmma_rs_f16<128, Major::MN>(va[ks], desc_advance(kt_desc, ks * kSubBlock * 128), St, true);
     else
-      wgmma_rs<128, Major::MN>(va[ks], desc_mn_major(kt_base + ks * kSubBlock * 128, kBoxBytes), St, true);
+      wgmma_rs<128, Major::MN>(va[ks], desc_advance(kt_desc, ks * kSubBlock * 128), St, true);
   }
   wgmma_commit();
   wgmma_wait<0>();

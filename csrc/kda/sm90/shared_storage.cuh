@@ -13,7 +13,9 @@
 //   scratch instead, kMTileOffset, and the state warpgroups form v_new = M (β·v - KG·S))
 //   aqk    -                  A_qk (bf16, masked)                    o (state)
 //          (prep ahead: the prep's scratch until the intra-chunk warpgroup writes A_qk, chunk_prep.cuh)
-//   R      -                  r_b = G at the end of each 16-row block (fp32 [4][128])
+//   R      -                  r_b = G at the end of each 16-row block (fp32 [4][128]; the
+//                             cooperative helpers replace the last row by exp2(r_3), the owners'
+//                             decay of S over the chunk)
 //   beta   beta (fp32, 0 past the sequence end), written by the producer warp
 //
 // (e = exp2(G - r_b) >= 1, f = exp2(r_b - G) <= 1 per element; see docs/kernel.md.)

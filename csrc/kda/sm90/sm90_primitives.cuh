@@ -65,6 +65,13 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t smem_addr, uint32_t
   return d.desc_;
 }
 __device__ __forceinline__ uint64_t desc_k_major(uint32_t smem_addr) { return make_desc_sw128(smem_addr, 16); }
+// The descriptor of the same layout `offset_bytes` (a multiple of 16) further into shared memory:
+// one add to the start-address field (bits 0-13, 16-byte units) instead of a new descriptor's
+// masks, shifts and moves (~5 instructions per WGMMA). Exact because a CTA's shared memory lies
+// below 2^18 bytes, so the field never carries into the next one.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t offset_bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + (offset_bytes >> 4));
+}
 __device__ __forceinline__ uint64_t desc_mn_major(uint32_t smem_addr, uint32_t atom_stride_bytes) {
   return make_desc_sw128(smem_addr, atom_stride_bytes);
 }
