@@ -660,7 +660,7 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
     wgmma_fence();
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
-      const uint64_t db = desc_k_major(kt_base + box_off + bj * (kSubBlock * 128) + (ks & 3) * 32);
+      const uint64_t db = desc_advance(desc_k_major(kt_base), box_off + bj * (kSubBlock * 128) + (ks & 3) * 32);
       if constexpr (kHalf) {
         wgmma_rs_f16<16, Major::K>(qa[bj], db, aqk[bj], true);
         wgmma_rs_f16<16, Major::K>(ka[bj], db, akk[bj], true);
@@ -939,7 +939,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kChunk / 16; ++ks)
-          wgmma_rs<128, Major::MN>(a[ks], desc_mn_major(b_base + ks * 16 * 128, kBoxBytes), acc, true);
+          wgmma_rs<128, Major::MN>(a[ks], desc_advance(desc_mn_major(b_base, kBoxBytes), ks * 16 * 128), acc, true);
         wgmma_commit();
         wgmma_wait<0>();
         fence_accumulators(acc);

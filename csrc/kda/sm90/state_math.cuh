@@ -185,8 +185,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
         const uint32_t a_off = (ks >> 2) * kBoxBytes + (ks & 3) * 32;
-        wgmma_ss<64, Major::K, Major::MN>(desc_k_major(w_base + a_off),
-                                          desc_mn_major(s_base + ks * 16 * 128, kBoxBytes), P, true);
+        wgmma_ss<64, Major::K, Major::MN>(desc_advance(desc_k_major(w_base), a_off),
+                                          desc_advance(desc_mn_major(s_base, kBoxBytes), ks * 16 * 128), P, true);
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -217,8 +217,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_ss<64, Major::K, Major::MN>(desc_k_major(m_base + ks * 32),
-                                          desc_mn_major(vn_base + ks * 16 * 128, kBoxBytes), P, true);
+        wgmma_ss<64, Major::K, Major::MN>(desc_advance(desc_k_major(m_base), ks * 32),
+                                          desc_advance(desc_mn_major(vn_base, kBoxBytes), ks * 16 * 128), P, true);
       wgmma_commit();
       wgmma_wait<0>();
       fence_accumulators(P);
@@ -300,20 +300,20 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
         const uint32_t a_off = (ks >> 2) * kBoxBytes + (ks & 3) * 32;
-        wgmma_ss<64, Major::K, Major::MN>(desc_k_major(qg_base + a_off),
-                                          desc_mn_major(s_base + ks * 16 * 128, kBoxBytes), O, true);
+        wgmma_ss<64, Major::K, Major::MN>(desc_advance(desc_k_major(qg_base), a_off),
+                                          desc_advance(desc_mn_major(s_base, kBoxBytes), ks * 16 * 128), O, true);
       }
       if constexpr (kAqkHalf) {  // fp16 A_qk and v_new (times 2^-vn_shift, as S's tile)
         const uint32_t vh_base = smem_u32(vn_half);
 #pragma unroll
         for (int ks = 0; ks < kChunk / 16; ++ks)
-          wgmma_ss_f16_n64<Major::K, Major::MN>(desc_k_major(aqk_base + ks * 32),
-                                                desc_mn_major(vh_base + ks * 16 * 128, kBoxBytes), O, true);
+          wgmma_ss_f16_n64<Major::K, Major::MN>(desc_advance(desc_k_major(aqk_base), ks * 32),
+                                                desc_advance(desc_mn_major(vh_base, kBoxBytes), ks * 16 * 128), O, true);
       } else {
 #pragma unroll
         for (int ks = 0; ks < kChunk / 16; ++ks) {
-          wgmma_ss<64, Major::K, Major::MN>(desc_k_major(aqk_base + ks * 32),
-                                            desc_mn_major(vn_base + ks * 16 * 128, kBoxBytes), O, true);
+          wgmma_ss<64, Major::K, Major::MN>(desc_advance(desc_k_major(aqk_base), ks * 32),
+                                            desc_advance(desc_mn_major(vn_base, kBoxBytes), ks * 16 * 128), O, true);
         }
       }
       wgmma_commit();
@@ -322,17 +322,17 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       const uint32_t kt_base = smem_u32(st.g);
       const auto update_block = [&](int b) {
         if constexpr (kHalfUpdate) {  // fp16 KT (times 2^7) and v_new' (times 2^-vn_shift)
-          const uint64_t db = desc_mn_major(smem_u32(vn_half) + b * kSubBlock * 128, kBoxBytes);
+          const uint64_t db = desc_advance(desc_mn_major(smem_u32(vn_half), kBoxBytes), b * kSubBlock * 128);
 #pragma unroll
           for (int mh = 0; mh < 2; ++mh) {
-            const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
+            const uint64_t da = desc_advance(desc_mn_major(kt_base, kBoxBytes), mh * kBoxBytes + b * kSubBlock * 128);
             wgmma_ss_f16_n64<Major::MN, Major::MN>(da, db, S.acc[mh], true);
           }
         } else {
-          const uint64_t db = desc_mn_major(vn_base + b * kSubBlock * 128, kBoxBytes);
+          const uint64_t db = desc_advance(desc_mn_major(vn_base, kBoxBytes), b * kSubBlock * 128);
 #pragma unroll
           for (int mh = 0; mh < 2; ++mh) {
-            const uint64_t da = desc_mn_major(kt_base + mh * kBoxBytes + b * kSubBlock * 128, kBoxBytes);
+            const uint64_t da = desc_advance(desc_mn_major(kt_base, kBoxBytes), mh * kBoxBytes + b * kSubBlock * 128);
             wgmma_ss<64, Major::MN, Major::MN>(da, db, S.acc[mh], true);
           }
         }

@@ -77,7 +77,7 @@ __device__ __forceinline__ void issue_inverse_product(uint32_t b_base, const flo
   for (int ks = kBegin; ks < kEnd; ++ks) {
     const uint32_t a[4] = {__float_as_uint(x[4 * ks]), __float_as_uint(x[4 * ks + 2]), __float_as_uint(x[4 * ks + 1]),
                            __float_as_uint(x[4 * ks + 3])};
-    wgmma_rs_tf32_n64<kScaleA>(a, desc_k_major(b_base + (ks >> 2) * kBoxBytes + (ks & 3) * 32), acc);
+    wgmma_rs_tf32_n64<kScaleA>(a, desc_advance(desc_k_major(b_base), (ks >> 2) * kBoxBytes + (ks & 3) * 32), acc);
   }
 }
 
