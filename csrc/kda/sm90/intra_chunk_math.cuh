@@ -908,7 +908,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
               float2_to_bf16x2(m0, m1);
         }
     } else {
-      // Step 8: W = M KG -> k slot, U = ((M - I) diag(beta)) v + beta v -> v slot. The A operands
+      // Step 8: W = M KG -> k slot (the cooperative helpers: -W), U = ((M - I) diag(beta)) v + beta v -> v slot. The A operands
       // come straight from the inverse's accumulator (the bf16 m64k16 fragment of k-step ks is
       // accumulator columns 16 ks .. 16 ks + 15 of the thread's two rows). For U the unit diagonal
       // is left out of the bf16 operand and its term beta_i v_i added in fp32 below: rounding
@@ -925,7 +925,9 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
           const int i = kSubBlock * warp + g4 + 8 * (r & 1);
           const int j = 16 * ks + 8 * (r >> 1) + 2 * t4;
           const float2 bj = *reinterpret_cast<const float2*>(&st.beta[j]);
-          mw_frag[ks][r] = float2_to_bf16x2(m0, m1);
+          // kFoldDecay (the cooperative owners' operands): W' = -W (exact in bf16), so that the
+          // owners' product U^T + S^T W'^T is v_new^T itself (owner_state_math.cuh (b)).
+          mw_frag[ks][r] = kFoldDecay ? float2_to_bf16x2(-m0, -m1) : float2_to_bf16x2(m0, m1);
           mu_frag[ks][r] = float2_to_bf16x2(i == j ? 0.f : m0 * bj.x, i == j + 1 ? 0.f : m1 * bj.y);
         }
       // One product into a 64 x 128 slot (k: W, v: U), stored as bf16 in place; with_beta_v adds

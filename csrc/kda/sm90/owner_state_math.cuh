@@ -10,14 +10,16 @@
 // so every product of the chunk takes S^T or v_new^T straight from registers:
 //
 //   (a) S^T -> bf16 A fragments (8 k-steps over K); then S^T *= diag(exp2(G_last)) in place
-//   (b) P^T = S^T W^T                   [64 v x 64 c]   B = W (K-major)         8 WGMMA, N = 64
-//   (c) v_new^T = U^T - P^T            U^T by ldmatrix.trans from the stage's U tile -> bf16 A fragments
+//   (b) v_new^T = U^T - S^T W^T         [64 v x 64 c]   B = -W (K-major)        8 WGMMA, N = 64
+//       (the accumulator starts at U^T, by ldmatrix.trans from the stage's U tile; the helpers
+//       store -W, so the product itself yields v_new^T)
+//   (c) v_new^T -> bf16 (fp16) A fragments
 //   (d) O^T = S^T QG^T + v_new^T A_qk^T [64 v x 64 i]   B = QG, A_qk (K-major)  12 WGMMA, N = 64
 //       (the S^T QG^T part issued right after (b), so it runs while v_new is formed; with l2norm
 //       the v_new^T A_qk^T part in fp16, and (e) too: coop_aqk_is_half)
 //   (e) S^T += v_new^T KT'             [64 v x 128 k]  B = KT' (MN-major)      4 WGMMA, N = 128
 //       (KT' = k exp2(G_last - G) <= 1: the helper folded the block decays into KT)
-//   (d') O^T += v_new^T diag(A_qk) in fp32 (the bf16 A_qk tile has zeros on its diagonal)
+//   (d') O^T += v_new^T diag(A_qk) in fp32, v_new unrounded (the A_qk tile has zeros on its diagonal)
 //   (f) o = scale O -> staging by stmatrix.trans (rows i, columns v) -> 16-byte global stores
 //
 // The fused state warpgroups' operands except that W and U are formed here (they fold M into the
@@ -107,22 +109,50 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
   cutlass::arch::ClusterBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
   timer.mark(0);
 
+  // (c, first) U^T as the initial value of the P accumulator, so that (b) yields v_new^T itself:
+  // the helpers store W' = -W (intra_chunk_math.cuh, step 8), and U^T + S^T W'^T = U^T - P^T is
+  // v_new^T, with U added inside the fp32 accumulation instead of by 32 subtractions after it.
+  // U is the stage's [64 c, 128 v] tile; this half's columns are box `half`. ldmatrix.trans of
+  // the 8x8 block (rows c0.., columns v0..) gives the accumulator pair (v0 + g4, c0 + 2 t4 .. +1)
+  // of U^T: for k-step ks and fragment r, v0 = 16 w + 8 (r & 1), c0 = 16 ks + 8 (r >> 1); lanes
+  // 8 r .. 8 r + 7 address that block's rows. The P chain of a segment (with_u false) starts
+  // from U = 0.
+  float Pt[32];
+  if (with_u) {
+    const uint32_t u_base = smem_u32(st.v + half * kBoxBytes);
+    const int r = lane >> 3;
+    const int row_in = lane & 7;
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks) {
+      uint32_t u[4];
+      const int c_row = 16 * ks + 8 * (r >> 1) + row_in;
+      ldmatrix_x4_trans(u_base + sw128_chunk_offset(c_row, 2 * warp + (r & 1)), u);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 uf = bf16x2_to_float2(u[q]);
+        Pt[8 * ks + 2 * q] = uf.x;
+        Pt[8 * ks + 2 * q + 1] = uf.y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 32; ++r) Pt[r] = 0.f;
+  }
+
   // (a) S^T as bf16 A fragments, then (while (b) runs) the decay of the whole chunk applied
   // to the fp32 accumulator: column k of S^T times exp2(G_last[k]), which the helper left in the
   // stage's last r_block row (intra_chunk_math.cuh, step 8: no MUFU on the owner's chain).
   uint32_t sa[8][4];
   accumulator_to_fragments(St, sa);
   const uint64_t w_desc = desc_k_major(smem_u32(st.k)), qg_desc = desc_k_major(smem_u32(st.q));
-  float Pt[32];
-#pragma unroll
-  for (int r = 0; r < 32; ++r) Pt[r] = 0.f;
   float Ot[32];
 #pragma unroll
   for (int r = 0; r < 32; ++r) Ot[r] = 0.f;
   fence_accumulators(Pt);
   fence_accumulators(Ot);
   wgmma_fence();
-  // (b) P^T = S^T W^T: k-step ks covers features 16 ks .. 16 ks + 15 (box ks / 4 of W's rows).
+  // (b) v_new^T = U^T + S^T W'^T: k-step ks covers features 16 ks .. 16 ks + 15 (box ks / 4 of
+  // W's rows).
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks)
     wgmma_rs<64, Major::K>(sa[ks], desc_advance(w_desc, (ks >> 2) * kBoxBytes + (ks & 3) * 32), Pt, true);
@@ -145,46 +175,22 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
     }
   }
   if (with_out)
-    wgmma_wait<1>();  // P^T done (the O^T batch may still run)
+    wgmma_wait<1>();  // v_new^T done (the O^T batch may still run)
   else
     wgmma_wait<0>();
   fence_accumulators(Pt);
   timer.mark(1);
 
-  // (c) v_new^T = U^T - P^T. U is the stage's [64 c, 128 v] tile; this half's columns are box
-  // `half`. ldmatrix.trans of the 8x8 block (rows c0.., columns v0..) gives the accumulator
-  // pair (v0 + g4, c0 + 2 t4 .. +1) of U^T: for k-step ks and fragment r, v0 = 16 w + 8 (r & 1),
-  // c0 = 16 ks + 8 (r >> 1); lanes 8 r .. 8 r + 7 address that block's rows.
-  // v_new^T = U^T - P^T as A fragments va: bf16, or kAqkHalf fp16 (then A_qk and KT' are fp16 in
-  // the stage too, so (d) and (e) both take fp16). fp16 has 3 more mantissa bits than bf16 but
-  // overflows at 65504 and goes subnormal below 2^-14: each thread takes its max |v_new|, and where
-  // any thread's lies outside [2^-10, 2^15) (rare; the test is warpgroup-uniform, as in
+  // (c) v_new^T as A fragments va: bf16, or kAqkHalf fp16 (then A_qk and KT' are fp16 in the
+  // stage too, so (d) and (e) both take fp16). fp16 has 3 more mantissa bits than bf16 but
+  // overflows at 65504 and goes subnormal below 2^-14: each thread takes its max |v_new|, and
+  // where any thread's lies outside [2^-10, 2^15) (rare; the test is warpgroup-uniform, as in
   // state_math.cuh) the warpgroup redoes va from the fp32 values times 2^-shift and scales the
   // accumulators they feed alike (S^T before (e), O^T's first batch once it is done), and back
   // after.
   uint32_t va[kChunk / 16][4];
   [[maybe_unused]] float vn_up = 1.f;
   const auto pack = [](float x, float y) { return kAqkHalf ? float2_to_half2(x, y) : float2_to_bf16x2(x, y); };
-  if (with_u) {
-    const uint32_t u_base = smem_u32(st.v + half * kBoxBytes);
-    const int r = lane >> 3;
-    const int row_in = lane & 7;
-#pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks) {
-      uint32_t u[4];
-      const int c_row = 16 * ks + 8 * (r >> 1) + row_in;
-      ldmatrix_x4_trans(u_base + sw128_chunk_offset(c_row, 2 * warp + (r & 1)), u);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 uf = bf16x2_to_float2(u[q]);
-        Pt[8 * ks + 2 * q] = uf.x - Pt[8 * ks + 2 * q];
-        Pt[8 * ks + 2 * q + 1] = uf.y - Pt[8 * ks + 2 * q + 1];
-      }
-    }
-  } else {  // the P chain: U = 0
-#pragma unroll
-    for (int r = 0; r < 32; ++r) Pt[r] = -Pt[r];
-  }
   // Pt now holds v_new^T.
 #pragma unroll
   for (int ks = 0; ks < kChunk / 16; ++ks)
@@ -249,23 +255,23 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
   }
   timer.mark(3);
 
-  // (d') O^T[v, i] += A_qk[i, i] v_new^T[v, i] (v_new as the product took it, then kAqkHalf: O^T
-  // scaled back), then the stage is no longer read: release it.
+  // (d') O^T[v, i] += A_qk[i, i] v_new^T[v, i] with v_new in fp32 (Pt: no unpacking of the
+  // fragments, and one rounding less than the product's operand), after O^T is scaled back
+  // (kAqkHalf); then the stage is no longer read: release it.
   if (with_out) {
+    if (kAqkHalf && vn_up != 1.f) {
+#pragma unroll
+      for (int r = 0; r < 32; ++r) Ot[r] *= vn_up;
+    }
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int i = 16 * ks + 8 * (q >> 1) + 2 * t4;
         const float2 d = *reinterpret_cast<const float2*>(&st.aqk_diag[i]);
-        const float2 vn = kAqkHalf ? half2_to_float2(va[ks][q]) : bf16x2_to_float2(va[ks][q]);
-        Ot[8 * ks + 2 * q] = fmaf(d.x, vn.x, Ot[8 * ks + 2 * q]);
-        Ot[8 * ks + 2 * q + 1] = fmaf(d.y, vn.y, Ot[8 * ks + 2 * q + 1]);
+        Ot[8 * ks + 2 * q] = fmaf(d.x, Pt[8 * ks + 2 * q], Ot[8 * ks + 2 * q]);
+        Ot[8 * ks + 2 * q + 1] = fmaf(d.y, Pt[8 * ks + 2 * q + 1], Ot[8 * ks + 2 * q + 1]);
       }
-    if (kAqkHalf && vn_up != 1.f) {
-#pragma unroll
-      for (int r = 0; r < 32; ++r) Ot[r] *= vn_up;
-    }
   }
   cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
   if (!with_out) {

@@ -6,7 +6,7 @@
 //
 //   slot   loaded by TMA      after the intra-chunk pass            read by
 //   q      q (bf16)           QE = q*e      -> QG = q*exp2(G)        A_qk (intra) -> q~·S (state)
-//   k      k (bf16)           KE = k*e      -> KG (-> W = M·KG)      A_kk (intra) -> KG·S (state; W·S)
+//   k      k (bf16)           KE = k*e      -> KG (-> -W = -M·KG)    A_kk (intra) -> KG·S (state; W·S)
 //   g      g (bf16)           KT = k*f                               A_qk/A_kk (intra), S update (state)
 //   v      v (bf16)           v             (-> U = ((M-I)·β)·v + β·v) β·v (state; U: v_new)
 //   (parenthesised: the cooperative helpers only; the fused kernels hand M - I over in the intra
