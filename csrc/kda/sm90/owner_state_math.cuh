@@ -184,10 +184,9 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
   // (c) v_new^T as A fragments va: bf16, or kAqkHalf fp16 (then A_qk and KT' are fp16 in the
   // stage too, so (d) and (e) both take fp16). fp16 has 3 more mantissa bits than bf16 but
   // overflows at 65504 and goes subnormal below 2^-14: each thread takes its max |v_new|, and
-  // where any thread's lies outside [2^-10, 2^15) (rare; the test is warpgroup-uniform, as in
-  // state_math.cuh) the warpgroup redoes va from the fp32 values times 2^-shift and scales the
-  // accumulators they feed alike (S^T before (e), O^T's first batch once it is done), and back
-  // after.
+  // where any thread's lies outside [2^-10, 2^15) (rare; the test is warp-uniform, below) the
+  // warp redoes va from the fp32 values times 2^-shift and scales the accumulators they feed
+  // alike (its rows of S^T before (e), of O^T's first batch once it is done), and back after.
   uint32_t va[kChunk / 16][4];
   [[maybe_unused]] float vn_up = 1.f;
   const auto pack = [](float x, float y) { return kAqkHalf ? float2_to_half2(x, y) : float2_to_bf16x2(x, y); };
@@ -200,8 +199,13 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
     float m = 0.f;
 #pragma unroll
     for (int r = 0; r < 32; ++r) m = fmaxf(m, fabsf(Pt[r]));
-    if (named_barrier_sync_any(bar, 128, fp16_out_of_range(m))) {  // uniform over the warpgroup
-      const int shift = fp16_range_shift(m, st.vnew_max[half], bar, warp, lane);
+    // Per warp: warp w's rows of v_new^T (rows 16 w .. 16 w + 15 of the A operand) feed only its
+    // own rows of O^T and S^T in (d) and (e), so a warp-uniform scale is exact, and the common
+    // path costs a vote instead of a barrier of the warpgroup on the chain.
+    if (__any_sync(0xffffffffu, fp16_out_of_range(m))) {  // uniform over the warp
+#pragma unroll
+      for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+      const int shift = fp16_shift_for_max(m);
       if (shift != 0) {
         const float down = __uint_as_float(uint32_t(127 - shift) << 23);
         vn_up = __uint_as_float(uint32_t(127 + shift) << 23);
@@ -212,14 +216,12 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
 #pragma unroll
         for (int r = 0; r < 64; ++r) St[r] *= down;
         if (with_out) {
-          wgmma_wait<0>();  // the S^T QG^T batch, before its accumulator is scaled
+          wgmma_wait<0>();  // this warp's S^T QG^T batch, before its accumulator is scaled
           fence_accumulators(Ot);
 #pragma unroll
           for (int r = 0; r < 32; ++r) Ot[r] *= down;
         }
       }
-      // Every thread has read the maxima before a later chunk's are written.
-      named_barrier_sync(bar, 128);
     }
   }
   timer.mark(2);

@@ -276,23 +276,19 @@ __device__ __forceinline__ bool named_barrier_sync_any(NamedBarrierId id, uint32
 // fp16 copies of v_new (state_math.cuh, owner_state_math.cuh: A_qk v_new in fp16 where l2norm
 // bounds A_qk). fp16 has 3 more mantissa bits than bf16 but overflows at 65504 and goes subnormal
 // below 2^-14, and nothing bounds v_new, so each thread checks its own max |v_new| (zero rows past
-// a sequence's end do not count) against [2^-10, 2^15), and only when some thread of the
-// warpgroup is outside it (rare) does the warpgroup take the exact max and a power-of-two shift.
+// a sequence's end do not count) against [2^-10, 2^15), and only when some thread is outside it
+// (rare) do its neighbours take the exact max and a power-of-two shift: the fused state
+// warpgroups decide per warpgroup, the owners per warp (a warp's rows of v_new^T feed only its
+// own rows of the products there).
 __device__ __forceinline__ bool fp16_out_of_range(float m) { return m >= 32768.f || (m > 0.f && m < 0x1p-10f); }
 
-// The warpgroup's shift once fp16_out_of_range held in one of its threads: the copies are to be
-// scaled by 2^-shift (0: none). The max of the four warps' maxima, exchanged through `warp_max`
-// (float[4] in shared memory) behind one barrier. mx in [2^e, 2^(e+1)): at or above 2^15 scale
+// The shift for a max |v_new| of mx once fp16_out_of_range held for some thread that mx covers:
+// the copies are to be scaled by 2^-shift (0: none). mx in [2^e, 2^(e+1)): at or above 2^15 scale
 // down by 2^(e - 14), so that the max lands in [2^14, 2^15) (e is at most 128, inf: at most
 // 2^114); below 2^-10, where v_new would reach fp16's subnormals and lose digits, scale up by 2^24
 // (e - 14 <= -25 there, so the cap always applies: the operands scaled alike stay far from bf16's
-// range). The caller synchronises again before `warp_max` is written for a later chunk.
-__device__ __forceinline__ int fp16_range_shift(float m, float (&warp_max)[4], NamedBarrierId bar, int warp, int lane) {
-#pragma unroll
-  for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
-  if (lane == 0) warp_max[warp] = m;
-  named_barrier_sync(bar, 128);
-  const float mx = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
+// range).
+__device__ __forceinline__ int fp16_shift_for_max(float mx) {
   const int e = int((__float_as_uint(mx) >> 23) & 0xffu) - 127;
   return (e > 14 || e < -10) ? max(e - 14, -24) : 0;
 }

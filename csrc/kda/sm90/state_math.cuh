@@ -249,7 +249,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       }
       fence_smem_to_async_proxy();
       if constexpr (kAqkHalf) {
-        // fp16_out_of_range / fp16_range_shift (sm90_primitives.cuh, the owners' form) written out:
+        // fp16_out_of_range / fp16_shift_for_max (sm90_primitives.cuh) written out, warpgroup-wide:
         // through the helpers ptxas schedules this kernel differently (+64 SASS instructions, two
         // more spill pairs in the gate-in-kernel l2norm index kernel), so the hot path keeps the
         // measured code. The two must stay the same rule.
