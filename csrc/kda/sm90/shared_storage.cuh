@@ -149,5 +149,8 @@ static_assert(kRowStatsOffset >= 128 * 4 && kRowStatsOffset + 6 * 64 * 4 <= 8192
 
 constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // + alignment slack
 static_assert(kSharedBytes <= 232448, "shared memory plan exceeds the 227 KB of an SM90 CTA");
+// desc_advance (sm90_primitives.cuh) adds offsets to a WGMMA descriptor's 14-bit start-address
+// field (16-byte units), exact only below 2^18 bytes of shared memory.
+static_assert(kSharedBytes <= (1 << 18), "WGMMA descriptors address at most 256 KB of shared memory");
 
 }  // namespace cula::kda::sm90
