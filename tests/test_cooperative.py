@@ -25,7 +25,8 @@ CTA must give bitwise the same results (``test_helper_forms_bitwise_equal``,
 
 Cases: sequences shorter than one chunk, lengths on and off chunk edges, one head (131 helpers on
 one tile), varlen mixes of long, short, length-1 and empty sequences with initial states, both
-state layouts, GVA, precomputed gates, bf16 beta, T = 65536 with an initial state; also the
+state layouts, GVA, precomputed gates, bf16 beta, T = 65536 with an initial state, v far outside
+fp16's range (the owners' per-warp scaling of v_new, not yet run on a GPU when added); also the
 default choice, determinism (which CTA computes which chunk changes from run to run; the bits
 must not), and a CUDA-graph capture (the workspace comes from the graph's pool).
 """
@@ -89,6 +90,25 @@ def test_cooperative_matches_fused_and_reference(spec: Spec, value_split: str | 
     compare_to_reference(spec, inp, o, s, what=f"{spec.id} cooperative, value split {value_split}")
     assert _rel(o, o_fused) <= MODE_RTOL, f"o: cooperative vs fused {_rel(o, o_fused):.2e}"
     assert _rel(s, s_fused) <= MODE_RTOL, f"state: cooperative vs fused {_rel(s, s_fused):.2e}"
+
+
+@gpu_sm90
+@pytest.mark.parametrize("v_scale", [1e-6, 1e5], ids=["v1e-6", "v1e5"])
+def test_large_values_cooperative(v_scale: float, seed: int, monkeypatch):
+    """v and the initial state far outside fp16's range (above 65504, below its normals at 2^-14):
+    with l2norm the owners take A_qk v_new and the state update in fp16, v_new scaled by a power of
+    two, decided per warp, where a chunk's max |v_new| leaves [2^-10, 2^15) (owner_state_math.cuh).
+    One owner per tile and two (each warp holds the same rows in both forms) give the same bits,
+    within the contract of the fp32 recurrence."""
+    spec = Spec(B=1, T=1000, H=2, HV=4, h0=True, layout="kv")
+    inp = make_inputs(spec)
+    inp["v"] = (inp["v"].float() * v_scale).to(torch.bfloat16)
+    inp["initial_state"] = inp["initial_state"] * v_scale
+    o1, s1 = _run(inp, "1", monkeypatch, "1")
+    o2, s2 = _run(inp, "1", monkeypatch, "2")
+    compare_to_reference(spec, inp, o2, s2, what=f"{spec.id}-v{v_scale:g} cooperative, two owners")
+    assert torch.equal(o1, o2) and torch.equal(s1, s2), (
+        f"one owner vs two: o {_rel(o1, o2):.2e}, state {_rel(s1, s2):.2e}")
 
 
 @gpu_sm90
