@@ -40,6 +40,7 @@ for _path in (os.path.join(_REPO, "benchmarks"), _REPO):
 from kda_bench.baselines.cula import CulaBaseline  # noqa: E402  (needs the path above)
 from kda_bench.inputs import Options, cu_seqlens, make_inputs  # noqa: E402
 from kda_bench.suite import LONG_PROMPT_WITH_SHORT, Config, given_lengths  # noqa: E402
+from kda_bench.timing import capture_graphs, idle_call_ms  # noqa: E402
 
 ROWS = {
     "B2 T8192 H64": Config("fixed", 2, 8192, 64, 64),
@@ -57,28 +58,13 @@ def event_medians(fns: dict[str, object], reps: int) -> dict[str, float]:
     times: dict[str, list[float]] = defaultdict(list)
     for _ in range(reps):
         for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(idle_call_ms(fn))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
 def capture(call) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    torch.cuda.synchronize()
-    return graph
+    """One call of ``call`` captured in a CUDA graph (the benchmark's capture)."""
+    return capture_graphs([call])[0][0]
 
 
 def trace(fn, label: str, n: int) -> list[str]:

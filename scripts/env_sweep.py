@@ -34,6 +34,7 @@ from kda_bench.baselines.cula import CulaBaseline  # noqa: E402  (needs the path
 from kda_bench.inputs import Options, cu_seqlens, make_inputs  # noqa: E402
 from kda_bench.reference import rel_err  # noqa: E402
 from kda_bench.suite import Config, varlen  # noqa: E402
+from kda_bench.timing import idle_call_ms  # noqa: E402
 
 
 def parse_shape(text: str) -> Config:
@@ -67,13 +68,7 @@ def sweep(cfg: Config, name: str, values: list[str], reps: int, opt: Options) ->
         for _ in range(reps):
             for x in values:
                 os.environ[name] = x
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                call()
-                end.record()
-                torch.cuda.synchronize()
-                times[x].append(start.elapsed_time(end))
+                times[x].append(idle_call_ms(call))
     finally:
         if saved is None:
             os.environ.pop(name, None)

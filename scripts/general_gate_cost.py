@@ -20,10 +20,14 @@ block of every head is wide: the exact path's full cost).
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from kda_bench.timing import idle_call_ms  # noqa: E402  (needs the path above)
 
 SHAPES = [(2, 8192, 64), (1, 8192, 64), (1, 1024, 64), (1, 32768, 8)]  # (B, T, H = HV)
 
@@ -52,29 +56,14 @@ def time_shape(B: int, T: int, H: int, reps: int = 30) -> str:
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(reps):
         for safe in (True, False):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            call(safe)
-            end.record()
-            torch.cuda.synchronize()
-            times[safe].append(start.elapsed_time(end))
+            times[safe].append(idle_call_ms(lambda: call(safe)))
     ms, mg = statistics.median(times[True]), statistics.median(times[False])
     return (f"B{B} T{T} H{H}: safe kernel {ms:.3f} ms, general kernel (no wide pair) {mg:.3f} ms, "
             f"ratio {mg / ms:.2f}; general vs safe o {_rel(o_g, o_s):.1e} state {_rel(s_g, s_s):.1e}")
 
 
 def _median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(idle_call_ms(fn) for _ in range(reps))
 
 
 def time_softplus_shape(B: int, T: int, H: int, reps: int = 20) -> str:

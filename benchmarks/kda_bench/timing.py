@@ -33,6 +33,18 @@ def n_reps(est_ms: float, p: TimingParams) -> int:
     return int(max(p.min_reps, min(p.max_reps, math.ceil(p.min_time_s * 1e3 / est_ms))))
 
 
+def idle_call_ms(fn: Callable[[], Any]) -> float:
+    """Milliseconds of one call of ``fn`` from an idle GPU: synchronise, start event, call, end
+    event, synchronise (the scripts under ``scripts/`` time their interleaved variants with it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_calls(calls: list[Callable[[], Any]], p: TimingParams) -> tuple[float, int]:
     """Median ms of single calls, each from an idle GPU, cycling over ``calls`` (input sets);
     returns (median ms, repetitions)."""
