@@ -48,6 +48,8 @@ ROWS = {
     "B1 T1024 H64": Config("fixed", 1, 1024, 64, 64),
     "B1 T8192 H64": Config("fixed", 1, 8192, 64, 64),
     "B1 T32768 H8": Config("small", 1, 32768, 8, 8),
+    "B1 T65536 H4": Config("small", 1, 65536, 4, 4),
+    "B1 T131072 H2": Config("small", 1, 131072, 2, 2),
     "varlen 30000+3 H8": given_lengths("small", LONG_PROMPT_WITH_SHORT, 8, 8, 128),
     "B2 T8192 H16/HV64": Config("gva", 2, 8192, 16, 64),
 }

@@ -564,24 +564,6 @@ def test_sm90_dispatch_calls_extension_with_documented_arguments(monkeypatch) ->
     assert calls[-1]["final_state"] is None and calls[-1]["state_v_first"] is False
 
 
-def test_dense_copies_only_misaligned_or_strided_inputs():
-    """Inputs reach the kernel contiguous and 16-byte aligned; ordinary tensors are not copied."""
-    from cula.kda.op import _dense
-
-    base = torch.randn(1 + 4 * 8 * 2 * 16)
-    aligned = base[: 4 * 8 * 2 * 16].view(4, 8, 2, 16)
-    assert _dense(aligned).data_ptr() == aligned.data_ptr()
-
-    shifted = base[1:].view(4, 8, 2, 16)  # contiguous view, 4-byte offset
-    assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
-    out = _dense(shifted)
-    assert out.data_ptr() % 16 == 0 and out.is_contiguous() and torch.equal(out, shifted)
-
-    strided = aligned.transpose(1, 2)
-    out = _dense(strided)
-    assert out.is_contiguous() and out.data_ptr() % 16 == 0 and torch.equal(out, strided)
-
-
 @pytest.mark.parametrize("case", ["T", "B", "tiles"])
 def test_sm90_refuses_sizes_past_32_bits(case) -> None:
     """The fused kernel's sizes and grid are 32-bit: larger calls raise instead of truncating
@@ -714,3 +696,44 @@ def test_remembered_validation_is_bounded(fresh_memo, monkeypatch) -> None:
     for i in range(7):
         kda_prefill(**{**kw, "scale": 0.1 * (i + 1)})
         assert 1 <= len(fresh_memo) <= 3
+
+
+def test_sm90_argument_limits_remembered_with_the_signature(fresh_memo, monkeypatch) -> None:
+    """The fused kernel's argument limits (head dims, dtypes, 32-bit sizes) read only what the
+    signature holds: checked on the first sm90 call of a signature, remembered with it; the
+    device and build checks still run on every call, and a signature that fails the limits keeps
+    failing."""
+    from cula import _ext
+
+    class FakeExt:
+        @staticmethod
+        def kda_prefill_sm90(**kwargs):
+            return None
+
+    limits: list[int] = []
+    environment: list[int] = []
+    real_limits = prefill_mod._check_sm90_arguments
+
+    def counting_limits(*args: Any, **kwargs: Any) -> None:
+        limits.append(1)
+        real_limits(*args, **kwargs)
+
+    monkeypatch.setattr(prefill_mod, "_check_sm90_arguments", counting_limits)
+    monkeypatch.setattr(prefill_mod, "_check_sm90_environment", lambda q, prefix: environment.append(1))
+    monkeypatch.setattr(_ext, "get_ext", lambda: FakeExt)
+    kw = _sm90_kwargs(backend="sm90")
+    for _ in range(3):
+        kda_prefill(**kw)
+    assert len(limits) == 1 and len(environment) == 3 and len(fresh_memo) == 1
+    assert prefill_mod.last_backend() == "sm90"
+    # the reference backend never checks them, and does not mark the entry for sm90
+    fresh_memo.clear()
+    kda_prefill(**{**kw, "backend": "reference"})
+    kda_prefill(**{**kw, "backend": "reference"})
+    assert len(limits) == 1
+    # a signature the kernel does not take (q float32) raises on every call, remembered or not
+    bad = {**kw, **{n: kw[n].float() for n in ("q", "k", "v", "g")}}
+    for _ in range(2):
+        with pytest.raises(TypeError, match="q"):
+            kda_prefill(**bad)
+    assert len(limits) == 3

@@ -1,11 +1,20 @@
 // torch binding of the SM90 KDA prefill kernel: the CUDA implementation behind the custom op
 // cula::kda_prefill (cula/kda/op.py). Every user-facing rule is checked once, in Python
-// (cula/kda/prefill.py), before the op runs; this file only asserts the invariants the kernel
-// relies on to stay inside its tensors (devices, layouts, dtypes, shapes), fills
-// KdaPrefillParams and launches on the current stream of the inputs' device.
+// (cula/kda/prefill.py), before the op runs; this file decides which tensors the kernel reads
+// and writes in place (Layouts, below), asserts the invariants the kernel relies on to stay
+// inside its tensors (devices, layouts, dtypes, shapes), fills KdaPrefillParams and launches on
+// the current stream of the inputs' device.
 //
 // The arguments are keyword-only and carry the names of the op's schema; the outputs o,
-// final_state and state_pool are caller-owned and written in place (nothing is allocated here).
+// final_state and state_pool are caller-owned and written in place.
+//
+// Layouts: the kernel reads q, k, v, g, beta, the states and the small tensors in place where
+// their layout allows it, and this file is where that is decided (once, in C++, where a check
+// costs nanoseconds instead of the microseconds of Python attribute reads per call). What the
+// kernel cannot read is copied once to a dense tensor (inputs), and an output it cannot write in
+// place gets a dense buffer that is copied into the caller's after the launch; the copies run on
+// the current stream. The rules for reading in place are the tma_readable / state_readable
+// predicates below; the assertions after them are the kernel's invariants.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -38,11 +47,51 @@ void assert_dense_on(const at::Tensor& t, const char* name, const at::Device& de
   CULA_ASSERT(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must start on a 16-byte boundary");
 }
 
-// q, k, v, g [B, T, heads, 128] as the kernel's TMA reads them: features contiguous, token and
-// head strides multiples of 8 elements (16 bytes), 16-byte aligned base, batch rows T token
-// strides apart (the kernel flattens B and T). Returns {token stride, head stride}. With no token
-// (B*T == 0) nothing is read and no descriptor is built: any strides (and a null data pointer)
-// pass, and {0, 0} (dense) is returned. cula/kda/op.py `_tma_ready` makes the same decision.
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// A copy of `t` in a new allocation with the canonical contiguous strides, on the current stream.
+// (`t.contiguous()` may return `t` itself, which is contiguous by torch's rule but may carry any
+// stride on a dimension of size 1, e.g. [B, 1, H, 128] from a transpose: the stride rules below
+// need the canonical ones.)
+at::Tensor fresh(const at::Tensor& t) { return at::empty(t.sizes(), t.options()).copy_(t); }
+
+// `t` contiguous and 16-byte aligned (A_log, dt_bias, cu_seqlens, state_indices,
+// has_initial_state), else a dense copy.
+at::Tensor dense(const at::Tensor& t) { return t.is_contiguous() && aligned16(t) ? t : fresh(t); }
+std::optional<at::Tensor> dense(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(dense(*t)) : std::nullopt;
+}
+
+// q, k, v, g [B, T, heads, 128] as the kernel's TMA reads them in place: features contiguous,
+// token and head strides positive multiples of 8 elements (16 bytes), a 16-byte aligned start,
+// batch rows T token strides apart (the kernel flattens B and T). Column slices of one fused
+// projection qualify. With no token (B*T == 0) nothing is read: any layout qualifies.
+bool tma_readable(const at::Tensor& t) {
+  if (t.size(0) * t.size(1) == 0) return true;
+  const auto s = t.strides();
+  return s[3] == 1 && s[1] > 0 && s[2] > 0 && s[1] % 8 == 0 && s[2] % 8 == 0 &&
+         (t.size(0) == 1 || s[0] == t.size(1) * s[1]) && aligned16(t);
+}
+
+// beta [B, T, HV]: heads contiguous, batch rows T token strides apart (a column slice of a fused
+// projection qualifies); with no token any layout.
+bool beta_readable(const at::Tensor& t) {
+  if (t.size(0) * t.size(1) == 0) return true;
+  const auto s = t.strides();
+  return s[2] == 1 && s[1] > 0 && (t.size(0) == 1 || s[0] == t.size(1) * s[1]);
+}
+
+// A state [rows, HV, a, b] the kernel reads and writes in place: each row dense, rows a multiple
+// of 4 elements and at least a row apart, a 16-byte aligned start.
+bool state_readable(const at::Tensor& t) {
+  if (t.dim() != 4) return true;  // the shape assertion names it
+  const auto s = t.strides();
+  return s[3] == 1 && s[2] == t.size(3) && s[1] == t.size(2) * t.size(3) && s[0] >= t.size(1) * t.size(2) * t.size(3) &&
+         s[0] % 4 == 0 && aligned16(t);
+}
+
+// q, k, v, g: their {token stride, head stride} for the TMA descriptors (the layout asserted:
+// tma_readable after the copy above). With no token, {0, 0} (dense) and no descriptor is built.
 std::pair<int64_t, int64_t> tma_strides(const at::Tensor& t, const char* name, const at::Device& device) {
   assert_on(t, name, device);
   if (t.size(0) * t.size(1) == 0) return {0, 0};
@@ -55,16 +104,41 @@ std::pair<int64_t, int64_t> tma_strides(const at::Tensor& t, const char* name, c
   return {t.stride(1), t.stride(2)};
 }
 
-void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                      const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
-                      const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& initial_state,
-                      const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& state_indices,
-                      const std::optional<at::Tensor>& has_initial_state, const at::Tensor& o,
-                      const std::optional<at::Tensor>& final_state, const std::optional<at::Tensor>& state_pool,
+void kda_prefill_sm90(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                      const at::Tensor& beta_in, const std::optional<at::Tensor>& A_log_in,
+                      const std::optional<at::Tensor>& dt_bias_in, const std::optional<at::Tensor>& initial_state_in,
+                      const std::optional<at::Tensor>& cu_seqlens_in, const std::optional<at::Tensor>& state_indices_in,
+                      const std::optional<at::Tensor>& has_initial_state_in, const at::Tensor& o_out,
+                      const std::optional<at::Tensor>& final_state_out, const std::optional<at::Tensor>& state_pool,
                       double scale, std::optional<double> lower_bound, bool use_gate_in_kernel,
                       bool use_qk_l2norm_in_kernel, bool use_beta_sigmoid_in_kernel, bool state_v_first,
                       bool general_gates) {
-  const at::Device device = q.device();
+  const at::Device device = q_in.device();
+  // The copies below and the launch run on the current stream of the inputs' device.
+  const c10::cuda::CUDAGuard guard(device);
+
+  // What the kernel cannot read in place, copied once (see the top of this file).
+  auto tma_input = [](const at::Tensor& t) { return t.dim() == 4 && !tma_readable(t) ? fresh(t) : t; };
+  const at::Tensor q = tma_input(q_in), k = tma_input(k_in), v = tma_input(v_in), g = tma_input(g_in);
+  const at::Tensor beta = beta_in.dim() == 3 && !beta_readable(beta_in) ? fresh(beta_in) : beta_in;
+  const std::optional<at::Tensor> A_log = dense(A_log_in), dt_bias = dense(dt_bias_in),
+                                  cu_seqlens = dense(cu_seqlens_in), state_indices = dense(state_indices_in),
+                                  has_initial_state = dense(has_initial_state_in);
+  std::optional<at::Tensor> initial_state = initial_state_in;
+  if (initial_state.has_value() && !state_readable(*initial_state)) initial_state = fresh(*initial_state);
+  // Outputs the kernel cannot write in place: a dense buffer, copied into the caller's after the launch.
+  const at::Tensor o = o_out.is_contiguous() && aligned16(o_out) ? o_out : at::empty(o_out.sizes(), o_out.options());
+  std::optional<at::Tensor> final_state = final_state_out;
+  if (final_state.has_value() && !state_readable(*final_state))
+    final_state = at::empty(final_state->sizes(), final_state->options());
+  if (!state_indices.has_value() && initial_state.has_value() && final_state.has_value() &&
+      initial_state->dim() == 4 && final_state->dim() == 4 && initial_state->stride(0) != final_state->stride(0)) {
+    // One row stride for both in the kernel: dense rows for both.
+    const int64_t row = initial_state->size(1) * initial_state->size(2) * initial_state->size(3);
+    if (initial_state->stride(0) != row) initial_state = fresh(*initial_state);
+    if (final_state->stride(0) != row) final_state = at::empty(final_state->sizes(), final_state->options());
+  }
+
   assert_dense_on(o, "o", device);
   CULA_ASSERT(q.dim() == 4 && k.sizes() == q.sizes(), "q and k must be [B, T, H, K], got ", q.sizes(), " and ",
               k.sizes());
@@ -87,7 +161,7 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   std::tie(p.v_token_stride, p.v_head_stride) = tma_strides(v, "v", device);
   std::tie(p.g_token_stride, p.g_head_stride) = tma_strides(g, "g", device);
   assert_on(beta, "beta", device);
-  if (B * T > 0) {  // no token: beta is never read (cula/kda/op.py `_beta_ready` agrees)
+  if (B * T > 0) {  // no token: beta is never read (beta_readable agrees)
     CULA_ASSERT(beta.stride(2) == 1 && beta.stride(1) > 0 && (B == 1 || beta.stride(0) == T * beta.stride(1)),
                 "beta must have its heads contiguous and batch rows T token strides apart, got ", beta.strides());
     p.beta_token_stride = beta.stride(1);
@@ -190,7 +264,6 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     CULA_ASSERT(!A_log.has_value() && !dt_bias.has_value(), "A_log/dt_bias need use_gate_in_kernel=True");
   }
 
-  const c10::cuda::CUDAGuard guard(device);
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -224,6 +297,8 @@ void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const cudaError_t err = cula::kda::kda_prefill_sm90(p, at::cuda::getCurrentCUDAStream(device.index()));
   TORCH_CHECK(err == cudaSuccess, "kda_prefill_sm90 failed: ", cudaGetErrorString(err), " ",
               cula::kda::kda_prefill_sm90_last_error());
+  if (!o.is_same(o_out)) o_out.copy_(o);
+  if (final_state.has_value() && !final_state->is_same(*final_state_out)) final_state_out->copy_(*final_state);
 }
 
 // The launch kda_prefill_sm90 makes for a problem of this shape on a GPU of `sm_count` SMs

@@ -41,70 +41,6 @@ __all__ = ["OP_NAME", "kda_prefill_op", "call_kda_prefill"]
 #: Qualified name of the op (``torch.ops.cula.kda_prefill``).
 OP_NAME = "cula::kda_prefill"
 
-_ALIGN = 16  # bytes: TMA and the kernel's vector loads/stores need 16-byte aligned addresses
-
-
-def _is_dense(t: Tensor) -> bool:
-    return t.is_contiguous() and t.data_ptr() % _ALIGN == 0
-
-
-def _dense(t: Tensor) -> Tensor:
-    """``t`` as a contiguous tensor whose data starts on a 16-byte boundary (a copy if needed)."""
-    t = t.contiguous()
-    if t.data_ptr() % _ALIGN != 0:
-        t = t.clone()
-    return t
-
-
-def _dense_opt(t: Tensor | None) -> Tensor | None:
-    return None if t is None else _dense(t)
-
-
-def _fresh(t: Tensor) -> Tensor:
-    """A copy of ``t`` in a new allocation with the canonical contiguous strides. ``_dense`` may
-    return ``t`` itself, which is contiguous by torch's rule but may carry any stride on a
-    dimension of size 1 (``[B, 1, H, 128]`` from a transpose, ``[1, HV, K, V]`` from an expand):
-    the kernel's stride rules (batch rows T token strides apart, state rows >= HV*K*V apart) need
-    the canonical ones."""
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-
-
-def _tma_ready(t: Tensor) -> Tensor:
-    """q, k, v or g ``[B, T, heads, 128]`` as the kernel's TMA loads can read it, without a copy
-    where possible: features contiguous, token and head strides multiples of 8 elements (16
-    bytes), a 16-byte aligned start and batch rows ``T`` token strides apart (the kernel flattens
-    B and T). Column slices of a fused projection qualify; anything else is copied once. With no
-    token (B*T == 0) nothing is read: taken as it is. The binding's ``tma_strides`` asserts
-    exactly this."""
-    shape, s = t.shape, t.stride()  # read once: each read builds a new Python object
-    if shape[0] * shape[1] == 0:
-        return t
-    if (s[3] == 1 and s[1] > 0 and s[2] > 0 and s[1] % 8 == 0 and s[2] % 8 == 0
-            and (shape[0] == 1 or s[0] == shape[1] * s[1]) and t.data_ptr() % _ALIGN == 0):
-        return t
-    return _fresh(t)
-
-
-def _beta_ready(beta: Tensor) -> Tensor:
-    """beta ``[B, T, HV]`` with its heads contiguous and batch rows ``T`` token strides apart (a
-    column slice of a fused projection qualifies), else a contiguous copy. With no token (B*T
-    == 0) beta is never read: taken as it is (as the binding does)."""
-    shape, s = beta.shape, beta.stride()
-    if shape[0] * shape[1] == 0:
-        return beta
-    if s[2] == 1 and s[1] > 0 and (shape[0] == 1 or s[0] == shape[1] * s[1]):
-        return beta
-    return _fresh(beta)
-
-
-def _state_ready(t: Tensor) -> bool:
-    """A state tensor ``[rows, HV, a, b]`` the kernel reads and writes in place: each row dense, rows
-    a multiple of 4 elements apart, 16-byte aligned start."""
-    s = t.stride()
-    hv, a, b = t.shape[1:]
-    return (s[3] == 1 and s[2] == b and s[1] == a * b and s[0] >= hv * a * b and s[0] % 4 == 0
-            and t.data_ptr() % _ALIGN == 0)
-
 
 def _run_sm90(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -118,43 +54,25 @@ def _run_sm90(
     """The fused kernel on the current stream of q's device (``bounded_decays`` False: its
     general-gate path, for log decays anywhere in [-inf, 0]).
 
-    The kernel reads the inputs in place where their layout allows it (column slices of a fused
-    projection: features contiguous, 16-byte multiples for the other strides), applies the beta
+    Every tensor goes to the binding as it is: the binding (``csrc/api/kda_prefill_binding.cpp``)
+    reads the inputs in place where their layout allows it (column slices of a fused projection:
+    features contiguous, 16-byte multiples for the other strides), copies once what it cannot
+    read, and gives an output it cannot write in place (a non-dense ``o`` or ``final_state``) a
+    dense buffer that it copies into the caller's after the launch. Those layout decisions cost
+    nanoseconds there and microseconds of attribute reads here. The kernel applies the beta
     sigmoid itself, reads and writes fp32 or bf16 states, pool rows by index in place, and writes
-    zeros into the rows of ``o`` past ``cu_seqlens[-1]``. What it cannot take directly is copied:
-    inputs of other layouts (once, in), a non-dense ``o`` or ``final_state`` (a dense buffer,
-    copied out). The pool itself is validated by ``kda_prefill`` to have dense rows.
+    zeros into the rows of ``o`` past ``cu_seqlens[-1]``. The pool itself is validated by
+    ``kda_prefill`` to have dense rows.
     """
-    o_k = o if _is_dense(o) else torch.empty(o.shape, dtype=o.dtype, device=o.device)
-    fs_k = final_state
-    if final_state is not None and not _state_ready(final_state):
-        fs_k = torch.empty(final_state.shape, dtype=final_state.dtype, device=final_state.device)
-    h0 = initial_state
-    if h0 is not None and not _state_ready(h0):
-        h0 = _fresh(h0)
-    if (state_indices is None and h0 is not None and fs_k is not None
-            and h0.stride(0) != fs_k.stride(0)):
-        # The kernel has one row stride for both (the binding asserts it): dense rows for both.
-        row = h0[0].numel()
-        if h0.stride(0) != row:
-            h0 = _fresh(h0)
-        if fs_k.stride(0) != row:
-            fs_k = torch.empty(final_state.shape, dtype=final_state.dtype, device=final_state.device)
     _ext.get_ext().kda_prefill_sm90(
-        q=_tma_ready(q), k=_tma_ready(k), v=_tma_ready(v), g=_tma_ready(g), beta=_beta_ready(beta),
-        A_log=_dense_opt(A_log), dt_bias=_dense_opt(dt_bias),
-        initial_state=h0, cu_seqlens=_dense_opt(cu_seqlens),
-        state_indices=_dense_opt(state_indices), has_initial_state=_dense_opt(has_initial_state),
-        o=o_k, final_state=fs_k, state_pool=state_pool,
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+        initial_state=initial_state, cu_seqlens=cu_seqlens, state_indices=state_indices,
+        has_initial_state=has_initial_state, o=o, final_state=final_state, state_pool=state_pool,
         scale=scale, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_v_first=state_layout == "vk",
         general_gates=not bounded_decays,
     )
-    if o_k is not o:
-        o.copy_(o_k)
-    if fs_k is not final_state:
-        final_state.copy_(fs_k)
 
 
 def _run_reference(

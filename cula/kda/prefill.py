@@ -517,19 +517,23 @@ class _Plan(NamedTuple):
 
 
 def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool,
-                    backend: str) -> str:
+                    backend: str, sm90_arguments_passed: bool = False) -> str:
     """"sm90" or "reference" for a validated call; raises where the request cannot be served.
     ``decays_bounded``: every log decay is known to lie in [-5, 0) (``safe_gate``, or a gate in
-    the kernel whose ``lower_bound`` is in that range)."""
+    the kernel whose ``lower_bound`` is in that range). ``sm90_arguments_passed``: the call's
+    signature passed :func:`_check_sm90_arguments` before (remembered in ``_VALIDATED``), so
+    only the device and build checks run."""
     if backend == "sm90":
-        _check_sm90_arguments(q, v, num_seqs, decays_bounded, prefix="")
+        if not sm90_arguments_passed:
+            _check_sm90_arguments(q, v, num_seqs, decays_bounded, prefix="")
         _check_sm90_environment(q, prefix="")
         return "sm90"
     if backend == "reference":
         return "reference"
     if _is_sm90(q.device):  # auto on Hopper: the fused kernel or an explicit error
         prefix = 'backend="auto" chose the sm90 kernel on this Hopper GPU, but: '
-        _check_sm90_arguments(q, v, num_seqs, decays_bounded, prefix=prefix)
+        if not sm90_arguments_passed:
+            _check_sm90_arguments(q, v, num_seqs, decays_bounded, prefix=prefix)
         _check_sm90_environment(q, prefix=prefix)
         return "sm90"
     return "reference"  # auto on CPU or a non-Hopper device
@@ -543,9 +547,12 @@ def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool,
 #: read tensor *values* (cu_seqlens / state_indices checked on the host), calls under
 #: torch.compile (the rules are traced there), and arguments of other types (tensor subclasses,
 #: other option types): those always run the rules. A failing call is never stored, so an
-#: invalid call raises every time. Bounded: cleared when full. The backend choice and its
-#: device and build checks are not remembered (they run on every call).
-_VALIDATED: dict[tuple, tuple[float | None, float | None, int]] = {}
+#: invalid call raises every time. Bounded: cleared when full. Each entry is
+#: ``[scale, lower_bound, N, sm90_arguments_passed]``: the last is set once the signature has
+#: also passed the fused kernel's argument limits (:func:`_check_sm90_arguments`, which read
+#: only what the signature holds). The backend choice and its device and build checks are not
+#: remembered (they run on every call).
+_VALIDATED: dict[tuple, list] = {}
 _VALIDATED_MAX = 256
 _MEMO_TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter, type(None)))
 _MEMO_OPTION_TYPES = frozenset((bool, int, float, str, type(None)))
@@ -625,19 +632,21 @@ def _plan(
             use_gate_in_kernel=use_gate_in_kernel, lower_bound=lb, state_layout=state_layout,
             output_final_state=output_final_state, check_inputs=check_inputs,
         )
-        validated = (scale_f, lb, N)
+        validated = [scale_f, lb, N, False]
         if key is not None:
             if len(_VALIDATED) >= _VALIDATED_MAX:
                 _VALIDATED.clear()
             _VALIDATED[key] = validated
-    scale_f, lb, N = validated
+    scale_f, lb, N, sm90_arguments_passed = validated
     if scale_f is None:
         scale_f = q.shape[3] ** -0.5
     pooled = state_indices is not None
     # The lower-bound gate lb * sigmoid(...) lies in (lb, 0): with lb in [-5, 0) the decays are
     # bounded whatever safe_gate says (FLA's chunk_kda passes safe_gate=False by default).
     decays_bounded = safe_gate or (use_gate_in_kernel and lb is not None and _SAFE_GATE_MIN <= lb < 0)
-    chosen = _choose_backend(q, v, N, decays_bounded, backend)
+    chosen = _choose_backend(q, v, N, decays_bounded, backend, sm90_arguments_passed)
+    if chosen == "sm90":
+        validated[3] = True  # (an entry of _VALIDATED, or a list of this call only)
     if final_state is not None:
         state_dtype = final_state.dtype
     elif initial_state is not None and not pooled:
