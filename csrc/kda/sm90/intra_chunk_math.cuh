@@ -889,7 +889,13 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     // proxy fence and barrier also publish QG/KG to the W/U products below (cooperative helpers;
     // in the fused kernels the fence before `ready` publishes them to the state warpgroups).
     float m[32];
-    invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
+    // fp16 operands where |k| = 1 bounds M (unit_lower_inverse.cuh), in the fused kernels: in the
+    // cooperative helpers (128 registers a thread) its fragments made ptxas serialise every WGMMA
+    // of the kernel (C7512).
+    if constexpr (half_inverse(kL2Norm) && !kFoldDecay)
+      invert_unit_lower_half(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
+    else
+      invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
     timer.mark(5);
 
     if constexpr (kFoldM) {

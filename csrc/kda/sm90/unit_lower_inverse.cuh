@@ -17,6 +17,15 @@
 // Operands are tf32 (10-bit mantissa, rounded), accumulation fp32: each rounding is 4x smaller
 // than the one bf16 rounding M gets at the end, so the result matches the fp32 substitution.
 //
+// half_inverse (l2-normalised keys): the same three rounds with fp16 operands (10-bit mantissa,
+// as tf32's, so the same rounding) and m64n64k16 products: 10 WGMMAs instead of 24 tf32 k8 steps
+// at twice the tensor rate, half the operand bytes, and the B operands double-buffered in the
+// 16 KB tile (3 barriers instead of 5). fp16's range holds every value: with |k| = 1 and
+// beta <= 2 each step of the delta rule is a contraction, so |M[i][j]| <= beta_i, and D (the same
+// problem on a block) likewise; N, N^2 and Y stay within a few units (measured <= 2.05 over
+// random, nearly parallel, alternating and low-rank unit keys with beta in [0, 2]). Entries below
+// fp16's normal range (2^-14) keep an absolute error under 2^-25.
+//
 // Register A operands come straight from accumulators. A tf32 A fragment (m64k8) holds columns
 // (t, t+4) of an 8-column group while an accumulator holds (2t, 2t+1). Since a product sums over
 // k, any permutation of k applied to A's columns and B's rows alike leaves it unchanged: inside
@@ -207,6 +216,189 @@ __device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* dia
   fence_accumulators(m);
   wgmma_fence();
   issue_inverse_product<ScaleIn::One, 4, 8>(tile_base, y, m);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulators(m);
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// fp16 form (half_inverse).
+// ---------------------------------------------------------------------------------------------
+
+// The inverse in fp16 where the keys are l2-normalised (see the top of this file).
+constexpr bool half_inverse(bool l2norm) { return l2norm; }
+
+// The fp16 A fragment of k-step ks (columns 16 ks .. 16 ks + 15) of an m64nN accumulator-layout
+// array: lane (g4, t4) gives rows g4 and g4 + 8, columns 2 t4 .. +1 and 8 + 2 t4 .. +1.
+template <int N>
+__device__ __forceinline__ void half_fragment(const float (&x)[N], int ks, uint32_t (&a)[4], float sign = 1.f) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) a[q] = float2_to_half2(sign * x[8 * ks + 2 * q], sign * x[8 * ks + 2 * q + 1]);
+}
+
+// Writes an m64n64 accumulator X as the fp16 MN-major B operand of a product with it on the
+// right (B[k][n] = X[k][n]: row k of the SW128 tile holds the 64 n, 128 bytes), one 4-byte pair
+// per store.
+__device__ __forceinline__ void store_half_operand(uint8_t* tile, const float (&x)[32], int warp, int lane) {
+  const int g4 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2)
+      *reinterpret_cast<uint32_t*>(tile + sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4)) =
+          float2_to_half2(x[n8 * 4 + h2 * 2], x[n8 * 4 + h2 * 2 + 1]);
+}
+
+// The fp16 A fragments of k-steps [kBegin, kEnd) of X (times `sign`), formed before the
+// products' fence (registers written after `wgmma.fence` make ptxas serialise the WGMMAs).
+template <int kBegin, int kEnd, int N>
+__device__ __forceinline__ void half_fragments(const float (&x)[N], uint32_t (&a)[kEnd - kBegin][4],
+                                               float sign = 1.f) {
+  static_assert(8 * kEnd <= N, "fragment source too short");
+#pragma unroll
+  for (int ks = kBegin; ks < kEnd; ++ks) {
+    half_fragment(x, ks, a[ks - kBegin], sign);
+    fence_fragment(a[ks - kBegin]);
+  }
+}
+
+// acc += A * B over the fp16 k-steps [kBegin, kEnd) (A: half_fragments; B a tile at b_desc:
+// K-major, 32 bytes per k-step, or MN-major, 16 rows of 128 bytes per k-step). The caller fences,
+// commits and waits.
+template <int kBegin, int kEnd, Major kMajorB>
+__device__ __forceinline__ void issue_half_product(uint64_t b_desc, const uint32_t (&a)[kEnd - kBegin][4],
+                                                   float (&acc)[32]) {
+#pragma unroll
+  for (int ks = kBegin; ks < kEnd; ++ks)
+    wgmma_rs_f16<64, kMajorB>(a[ks - kBegin], desc_advance(b_desc, kMajorB == Major::K ? ks * 32 : ks * kSubBlock * 128),
+                              acc, true);
+}
+
+// As invert_unit_lower, with fp16 operands (half_inverse). The 16 KB tile holds two 8 KB B
+// operands (one box each): D (K-major) and then N^2 (MN-major) in the first, N (MN-major) in the second, so
+// a round's operand is written while the other half may still be read.
+__device__ __forceinline__ void invert_unit_lower_half(float (&a_off)[24], float* diag, uint8_t* tile,
+                                                       NamedBarrierId bar, int tid, float (&m)[32],
+                                                       PhaseTimer& timer) {
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g4 = lane >> 2, t4 = lane & 3;
+  uint8_t* const tile_d = tile;              // D, then N^2
+  uint8_t* const tile_n = tile + kBoxBytes;  // N
+  static_assert(kChunk * kChunk * 2 == kBoxBytes && 2 * kBoxBytes <= kTileBytes,
+                "two fp16 64x64 operands fit the 16 KB tile");
+  float* my_diag = diag + warp * kDiagBlockFloats;
+
+  // D_w by forward substitution (as in invert_unit_lower).
+  {
+    const int c = lane & 15;
+    float x[kSubBlock];
+#pragma unroll
+    for (int i = 0; i < kSubBlock; ++i) x[i] = (i == c) ? 1.f : 0.f;
+#pragma unroll
+    for (int j = 0; j + 1 < kSubBlock; ++j) {
+      float col[kSubBlock];
+#pragma unroll
+      for (int i4 = (j + 1) & ~3; i4 < kSubBlock; i4 += 4) {
+        const float4 v = *reinterpret_cast<const float4*>(my_diag + j * kDiagLd + i4);
+        col[i4] = v.x;
+        col[i4 + 1] = v.y;
+        col[i4 + 2] = v.z;
+        col[i4 + 3] = v.w;
+      }
+#pragma unroll
+      for (int i = j + 1; i < kSubBlock; ++i) x[i] = fmaf(-col[i], x[j], x[i]);
+    }
+    __syncwarp();
+    if (lane < kSubBlock) {
+#pragma unroll
+      for (int i = 0; i < kSubBlock; ++i) my_diag[i * kDiagLd + c] = x[i];
+    }
+    // B operand of N = A_o D, K-major: row n = 16 w + c holds the 64 k as eight 16-byte chunks,
+    // block w's 16 in chunks 2 w and 2 w + 1 (x), zeros elsewhere; lane half h writes chunks
+    // 4 h .. 4 h + 3.
+    const int n = kSubBlock * warp + c, h = lane >> 4;
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int s = 4 * h + jj - 2 * warp;
+      uint4 val = make_uint4(0u, 0u, 0u, 0u);
+      if (s == 0)
+        val = make_uint4(float2_to_half2(x[0], x[1]), float2_to_half2(x[2], x[3]), float2_to_half2(x[4], x[5]),
+                         float2_to_half2(x[6], x[7]));
+      if (s == 1)
+        val = make_uint4(float2_to_half2(x[8], x[9]), float2_to_half2(x[10], x[11]), float2_to_half2(x[12], x[13]),
+                         float2_to_half2(x[14], x[15]));
+      *reinterpret_cast<uint4*>(tile_d + sw128_chunk_offset(n, 4 * h + jj)) = val;
+    }
+  }
+  fence_smem_to_async_proxy();
+  named_barrier_sync(bar, 128);
+  timer.mark(7);
+
+  // N = A_o D (A_o's column block 3 is zero: k-steps 0..2).
+  float nn[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) nn[r] = 0.f;
+  uint32_t a_frag[3][4];
+  half_fragments<0, 3>(a_off, a_frag);
+  fence_accumulators(nn);
+  wgmma_fence();
+  issue_half_product<0, 3, Major::K>(desc_k_major(smem_u32(tile_d)), a_frag, nn);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulators(nn);
+  timer.mark(8);
+  store_half_operand(tile_n, nn, warp, lane);  // the other half: D may still be read
+  fence_smem_to_async_proxy();
+
+  // D as an m64n64 array (its block w, zero elsewhere): the accumulator of Y = D - D N, and
+  // (negated, fp16, before the products write y) its A operand.
+  float y[32];
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const float2 v = *reinterpret_cast<const float2*>(my_diag + (g4 + 8 * h2) * kDiagLd + 8 * s + 2 * t4);
+#pragma unroll
+      for (int n8 = s; n8 < 8; n8 += 2) {
+        const bool mine = (n8 >> 1) == warp;
+        y[n8 * 4 + h2 * 2] = mine ? v.x : 0.f;
+        y[n8 * 4 + h2 * 2 + 1] = mine ? v.y : 0.f;
+      }
+    }
+  float n2[32];
+#pragma unroll
+  for (int r = 0; r < 32; ++r) n2[r] = 0.f;
+  named_barrier_sync(bar, 128);  // N complete; every warp's N product has read D
+
+  // N^2 = N N (k-steps 1..2: N's rows of block 0 and columns of block 3 are zero) and
+  // Y = D - D N (k-steps 1..3), one batch: both read the N tile.
+  const uint64_t n_desc = desc_mn_major(smem_u32(tile_n), kBoxBytes);
+  uint32_t n_frag[2][4], d_frag[3][4];
+  half_fragments<1, 3>(nn, n_frag);
+  half_fragments<1, 4>(y, d_frag, -1.f);  // -D
+  fence_accumulators(n2);
+  fence_accumulators(y);
+  wgmma_fence();
+  issue_half_product<1, 3, Major::MN>(n_desc, n_frag, n2);
+  issue_half_product<1, 4, Major::MN>(n_desc, d_frag, y);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_accumulators(n2);
+  fence_accumulators(y);
+  timer.mark(9);
+  store_half_operand(tile_d, n2, warp, lane);  // over D: every warp's N product is complete
+  fence_smem_to_async_proxy();
+#pragma unroll
+  for (int r = 0; r < 32; ++r) m[r] = y[r];
+  named_barrier_sync(bar, 128);
+
+  // M = Y + Y N^2 (N^2 has rows in blocks 2..3 only).
+  uint32_t y_frag[2][4];
+  half_fragments<2, 4>(y, y_frag);
+  fence_accumulators(m);
+  wgmma_fence();
+  issue_half_product<2, 4, Major::MN>(desc_mn_major(smem_u32(tile_d), kBoxBytes), y_frag, m);
   wgmma_commit();
   wgmma_wait<0>();
   fence_accumulators(m);
