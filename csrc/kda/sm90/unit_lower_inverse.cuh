@@ -90,6 +90,54 @@ __device__ __forceinline__ void issue_inverse_product(uint32_t b_base, const flo
   }
 }
 
+// D_w = (I + A_d)^-1 for warp w's diagonal block by forward substitution, right-looking: once x_j
+// is final, every later row subtracts its multiple of it (independent FMAs, a dependent chain of
+// only 16). my_diag holds A_d transposed (row j = column j of A_d), so step j reads one
+// contiguous row. Lanes c and c + 16 both compute column c into x (x[i] = D_w[i][c]; the second
+// half of the warp then writes its own half of the B-operand rows); D_w is written back row-major
+// over A_d^T (read again as the A operand of Y = D - D N).
+__device__ __forceinline__ void substitute_diag_block(float* my_diag, int lane, float (&x)[kSubBlock]) {
+  const int c = lane & 15;
+#pragma unroll
+  for (int i = 0; i < kSubBlock; ++i) x[i] = (i == c) ? 1.f : 0.f;
+#pragma unroll
+  for (int j = 0; j + 1 < kSubBlock; ++j) {
+    float col[kSubBlock];
+#pragma unroll
+    for (int i4 = (j + 1) & ~3; i4 < kSubBlock; i4 += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(my_diag + j * kDiagLd + i4);
+      col[i4] = v.x;
+      col[i4 + 1] = v.y;
+      col[i4 + 2] = v.z;
+      col[i4 + 3] = v.w;
+    }
+#pragma unroll
+    for (int i = j + 1; i < kSubBlock; ++i) x[i] = fmaf(-col[i], x[j], x[i]);
+  }
+  __syncwarp();
+  if (lane < kSubBlock) {
+#pragma unroll
+    for (int i = 0; i < kSubBlock; ++i) my_diag[i * kDiagLd + c] = x[i];
+  }
+}
+
+// D as an m64n64 accumulator-layout array (warp w's block, zero elsewhere), from D_w row-major in
+// my_diag: rows 16 w + g4 (+8), columns 16 w + 8 s + 2 t4 (+1).
+__device__ __forceinline__ void load_block_diagonal(const float* my_diag, int warp, int g4, int t4, float (&y)[32]) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const float2 v = *reinterpret_cast<const float2*>(my_diag + (g4 + 8 * h2) * kDiagLd + 8 * s + 2 * t4);
+#pragma unroll
+      for (int n8 = s; n8 < 8; n8 += 2) {
+        const bool mine = (n8 >> 1) == warp;
+        y[n8 * 4 + h2 * 2] = mine ? v.x : 0.f;
+        y[n8 * 4 + h2 * 2 + 1] = mine ? v.y : 0.f;
+      }
+    }
+}
+
 // In:  a_off  = A below the diagonal blocks, column blocks 0..2 (block 3 has nothing below the
 //               diagonal) in m64n64 accumulator layout (a_off[8 bj + r] is register r of the
 //               m64n16 accumulator of column block bj), zero on and above the diagonal blocks;
@@ -105,35 +153,10 @@ __device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* dia
   const uint32_t tile_base = smem_u32(tile);
   float* my_diag = diag + warp * kDiagBlockFloats;
 
-  // D_w by forward substitution, right-looking: once x_j is final, every later row subtracts its
-  // multiple of it (independent FMAs, a dependent chain of only 16). diag holds A_d transposed
-  // (row j = column j of A_d), so step j reads one contiguous row. Lanes c and c + 16 both compute
-  // column c (the second half of the warp then writes its own half of the B-operand rows).
   {
     const int c = lane & 15;
     float x[kSubBlock];
-#pragma unroll
-    for (int i = 0; i < kSubBlock; ++i) x[i] = (i == c) ? 1.f : 0.f;
-#pragma unroll
-    for (int j = 0; j + 1 < kSubBlock; ++j) {
-      float col[kSubBlock];
-#pragma unroll
-      for (int i4 = (j + 1) & ~3; i4 < kSubBlock; i4 += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(my_diag + j * kDiagLd + i4);
-        col[i4] = v.x;
-        col[i4 + 1] = v.y;
-        col[i4 + 2] = v.z;
-        col[i4 + 3] = v.w;
-      }
-#pragma unroll
-      for (int i = j + 1; i < kSubBlock; ++i) x[i] = fmaf(-col[i], x[j], x[i]);
-    }
-    __syncwarp();
-    // D_w row-major over A_d^T (read back as the A operand of the last products).
-    if (lane < kSubBlock) {
-#pragma unroll
-      for (int i = 0; i < kSubBlock; ++i) my_diag[i * kDiagLd + c] = x[i];
-    }
+    substitute_diag_block(my_diag, lane, x);
     // B operand of N = A_o D: row n = 16 w + c, all 64 k (zero outside block w), 16 bytes at a
     // time. Lane half h writes the k-slots of box h; block w lies in box w / 2.
     const int n = kSubBlock * warp + c, h = lane >> 4;
@@ -170,20 +193,9 @@ __device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* dia
   fence_smem_to_async_proxy();
 
   // D as an m64n64 array (its block w, zero elsewhere): the accumulator of Y = D - D N, and
-  // (rounded) its A operand. D's fragment: rows 16 w + g4 (+8), columns 16 w + 8 s + 2 t4 (+1).
+  // (rounded) its A operand.
   float y[32], dz[32];
-#pragma unroll
-  for (int s = 0; s < 2; ++s)
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const float2 v = *reinterpret_cast<const float2*>(my_diag + (g4 + 8 * h2) * kDiagLd + 8 * s + 2 * t4);
-#pragma unroll
-      for (int n8 = s; n8 < 8; n8 += 2) {
-        const bool mine = (n8 >> 1) == warp;
-        y[n8 * 4 + h2 * 2] = mine ? v.x : 0.f;
-        y[n8 * 4 + h2 * 2 + 1] = mine ? v.y : 0.f;
-      }
-    }
+  load_block_diagonal(my_diag, warp, g4, t4, y);
 #pragma unroll
   for (int r = 0; r < 32; ++r) dz[r] = y[r];
   round_to_tf32(dz);
@@ -289,31 +301,10 @@ __device__ __forceinline__ void invert_unit_lower_half(float (&a_off)[24], float
                 "two fp16 64x64 operands fit the 16 KB tile");
   float* my_diag = diag + warp * kDiagBlockFloats;
 
-  // D_w by forward substitution (as in invert_unit_lower).
   {
     const int c = lane & 15;
     float x[kSubBlock];
-#pragma unroll
-    for (int i = 0; i < kSubBlock; ++i) x[i] = (i == c) ? 1.f : 0.f;
-#pragma unroll
-    for (int j = 0; j + 1 < kSubBlock; ++j) {
-      float col[kSubBlock];
-#pragma unroll
-      for (int i4 = (j + 1) & ~3; i4 < kSubBlock; i4 += 4) {
-        const float4 v = *reinterpret_cast<const float4*>(my_diag + j * kDiagLd + i4);
-        col[i4] = v.x;
-        col[i4 + 1] = v.y;
-        col[i4 + 2] = v.z;
-        col[i4 + 3] = v.w;
-      }
-#pragma unroll
-      for (int i = j + 1; i < kSubBlock; ++i) x[i] = fmaf(-col[i], x[j], x[i]);
-    }
-    __syncwarp();
-    if (lane < kSubBlock) {
-#pragma unroll
-      for (int i = 0; i < kSubBlock; ++i) my_diag[i * kDiagLd + c] = x[i];
-    }
+    substitute_diag_block(my_diag, lane, x);
     // B operand of N = A_o D, K-major: row n = 16 w + c holds the 64 k as eight 16-byte chunks,
     // block w's 16 in chunks 2 w and 2 w + 1 (x), zeros elsewhere; lane half h writes chunks
     // 4 h .. 4 h + 3.
@@ -354,18 +345,7 @@ __device__ __forceinline__ void invert_unit_lower_half(float (&a_off)[24], float
   // D as an m64n64 array (its block w, zero elsewhere): the accumulator of Y = D - D N, and
   // (negated, fp16, before the products write y) its A operand.
   float y[32];
-#pragma unroll
-  for (int s = 0; s < 2; ++s)
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const float2 v = *reinterpret_cast<const float2*>(my_diag + (g4 + 8 * h2) * kDiagLd + 8 * s + 2 * t4);
-#pragma unroll
-      for (int n8 = s; n8 < 8; n8 += 2) {
-        const bool mine = (n8 >> 1) == warp;
-        y[n8 * 4 + h2 * 2] = mine ? v.x : 0.f;
-        y[n8 * 4 + h2 * 2 + 1] = mine ? v.y : 0.f;
-      }
-    }
+  load_block_diagonal(my_diag, warp, g4, t4, y);
   float n2[32];
 #pragma unroll
   for (int r = 0; r < 32; ++r) n2[r] = 0.f;
