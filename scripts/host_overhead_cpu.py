@@ -17,7 +17,7 @@ each, for:
 * ``call_kda_prefill``: the eager dispatch decision plus ``_run_sm90`` (prepared outputs);
 * ``torch.ops.cula.kda_prefill``: the custom op's dispatch plus ``_run_sm90`` (what the call
   cost before the direct path);
-* ``_run_sm90``: the layout checks and the (stand-in) binding call alone;
+* ``_run_sm90``: the (stand-in) binding call alone (the layout checks are in the binding since 220fc91);
 * ``two torch.empty``: the output allocations (on the CPU allocator here: a GPU's caching
   allocator costs differently; scripts/host_overhead.py measures that on the device).
 
