@@ -190,6 +190,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4
                : "r"(addr));
 }
 // Stores four 8x8 matrices given in accumulator layout (lane (g4, t4) holds row g4, columns
+// 2 t4 .. +1 of each), as they are: row j of matrix m lands at the address lane 8 m + j gives.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+// Stores four 8x8 matrices given in accumulator layout (lane (g4, t4) holds row g4, columns
 // 2 t4 .. +1 of each), transposed: row j of what lands in memory is column j of the matrix. Lanes
 // 8 m .. 8 m + 7 give the addresses of the rows of matrix m.
 __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {

@@ -250,16 +250,22 @@ __device__ __forceinline__ void half_fragment(const float (&x)[N], int ks, uint3
 }
 
 // Writes an m64n64 accumulator X as the fp16 MN-major B operand of a product with it on the
-// right (B[k][n] = X[k][n]: row k of the SW128 tile holds the 64 n, 128 bytes), one 4-byte pair
-// per store.
+// right (B[k][n] = X[k][n]: row k of the SW128 tile holds the 64 n, 128 bytes). A warp's 16 rows
+// by 64 columns are sixteen 8x8 fp16 matrices in accumulator layout, (n8, h2) holding rows
+// 16 warp + 8 h2 .. +7 and columns 8 n8 .. +7: four stmatrix calls of four matrices each, (n8,
+// h2) = (2 p + m / 2, m % 2) for matrix m of call p; each matrix row is one 16-byte chunk of the
+// swizzled tile.
 __device__ __forceinline__ void store_half_operand(uint8_t* tile, const float (&x)[32], int warp, int lane) {
-  const int g4 = lane >> 2, t4 = lane & 3;
+  const int m = lane >> 3;
+  const int row = kSubBlock * warp + 8 * (m & 1) + (lane & 7);
+  const uint32_t base = smem_u32(tile);
 #pragma unroll
-  for (int n8 = 0; n8 < 8; ++n8)
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2)
-      *reinterpret_cast<uint32_t*>(tile + sw128_fragment_offset(kSubBlock * warp + g4 + 8 * h2, n8, g4, t4)) =
-          float2_to_half2(x[n8 * 4 + h2 * 2], x[n8 * 4 + h2 * 2 + 1]);
+  for (int p = 0; p < 4; ++p) {
+    const int n8 = 2 * p;
+    stmatrix_x4(base + sw128_chunk_offset(row, n8 + (m >> 1)), float2_to_half2(x[n8 * 4], x[n8 * 4 + 1]),
+                float2_to_half2(x[n8 * 4 + 2], x[n8 * 4 + 3]), float2_to_half2(x[n8 * 4 + 4], x[n8 * 4 + 5]),
+                float2_to_half2(x[n8 * 4 + 6], x[n8 * 4 + 7]));
+  }
 }
 
 // The fp16 A fragments of k-steps [kBegin, kEnd) of X (times `sign`), formed before the
