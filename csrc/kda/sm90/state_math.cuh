@@ -52,6 +52,10 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   // of A_qk v_new from (c); S scaled by the power of two that cancels both shifts (step (e)).
   constexpr bool kHalfUpdate = half_operands(kDecays, kL2Norm);
   static_assert(!kHalfUpdate || kAqkHalf, "the fp16 update takes v_new' from A_qk v_new's fp16 copy");
+  // S's bf16 tile for chunk c + 1 written right after chunk c's output store, before the wait for
+  // the stage that the next prep reads: with safe gates, whose prep works in the stage's A_qk tile
+  // (chunk_prep.cuh); the general gates' prep works in the state warpgroups' tiles, S's included.
+  constexpr bool kStageSAhead = kPrepAhead && kDecays == Decays::kSafe;
   // M folded into the chain (the fused kernels: intra_chunk_math.cuh step 8): the stage holds KG
   // and v instead of W and U, and v_new = M (beta v - KG S).
   // The only caller, the fused kernel, has prep ahead, so M is always folded here (the W / U
@@ -115,6 +119,21 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
     const int num_chunks = tile.num_chunks();
+    // (a)'s S -> bf16 [K=128 rows, 64 columns], the MN-major B operand of (b) and (d) (times
+    // `scale`: 1, or a power of two in (c)'s rare rescale).
+    const auto write_s_tile = [&](float scale) {
+#pragma unroll
+      for (int mh = 0; mh < 2; ++mh)
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
+            *reinterpret_cast<uint32_t*>(s_tile + sw128_fragment_offset(kk, n8, g4, t4)) = float2_to_bf16x2(
+                S.acc[mh][n8 * 4 + h2 * 2] * scale, S.acc[mh][n8 * 4 + h2 * 2 + 1] * scale);
+          }
+    };
+    bool s_tile_written = false;  // (a) done at the end of the previous chunk (kStageSAhead)
     // Prep ahead: iteration c prepares chunk c + 1 of this tile or, at the last chunk, the next
     // tile's chunk 0, on the stage after this chunk's (one hot call site). Chunk 0 of a tile whose
     // previous tile did not prepare it (the first tile, or after an empty next tile) is prepared
@@ -156,23 +175,14 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
       timer.mark(0);
 
-      // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], MN-major B operand (times `scale`:
-      // 1 here, a power of two in (c)'s rare rescale).
-      const auto write_s_tile = [&](float scale) {
-#pragma unroll
-        for (int mh = 0; mh < 2; ++mh)
-#pragma unroll
-          for (int n8 = 0; n8 < 8; ++n8)
-#pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {
-              const int kk = 64 * mh + kSubBlock * warp + g4 + 8 * h2;
-              *reinterpret_cast<uint32_t*>(s_tile + sw128_fragment_offset(kk, n8, g4, t4)) = float2_to_bf16x2(
-                  S.acc[mh][n8 * 4 + h2 * 2] * scale, S.acc[mh][n8 * 4 + h2 * 2 + 1] * scale);
-            }
-      };
-      write_s_tile(1.f);
-      fence_smem_to_async_proxy();
-      named_barrier_sync(bar, 128);
+      // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], the MN-major B operand, unless
+      // the previous chunk's end wrote it already (kStageSAhead).
+      if (!s_tile_written) {
+        write_s_tile(1.f);
+        fence_smem_to_async_proxy();
+        named_barrier_sync(bar, 128);
+      }
+      s_tile_written = false;
 
       timer.mark(1);
       // (b) P = X = KG S.
@@ -412,6 +422,17 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
       // (f) o -> global (the S tile is free again and serves as staging).
       store_output_tile(p, tile, c, O, s_tile, half, tid, bar);
+      // kStageSAhead: (a) for the next chunk of this tile now, while the producer reloads the
+      // stage just released: the next iteration's prep waits for that load first (~1.5k cycles a
+      // chunk at B2, docs/perf-notes.md), and this takes (a) off the stretch after `ready`.
+      if constexpr (kStageSAhead) {
+        if (c + 1 < num_chunks) {
+          write_s_tile(1.f);
+          fence_smem_to_async_proxy();
+          named_barrier_sync(bar, 128);
+          s_tile_written = true;
+        }
+      }
       timer.mark(5);
       pipe.advance();
     }
