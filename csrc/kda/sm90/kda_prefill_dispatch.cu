@@ -75,7 +75,8 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
 }
 // Fused kernel or cooperative mode (kernel_params.cuh: KernelPass). With few (sequence, value
 // head) tiles, the fused kernel keeps only that many SMs busy and each tile takes its chunk count
-// times the intra-chunk warpgroup's time per chunk (~12 us); in the cooperative mode the other SMs
+// times the kernel's time per chunk (~12 us when this rule was set; ~8 us since e94f895, see
+// cooperative_beats_fused for the range above 0.4 x the SMs); in the cooperative mode the other SMs
 // compute chunks for the tile owners, whose state chain (~4 us per chunk) then sets the pace. A
 // helper computes a chunk in ~13 us, so it pays once a tile has more than about one helper;
 // measured on an H100 (docs/perf-notes.md): B1 T8192 H32 (32 tiles, 3.1 helpers each) 1.62 ->
@@ -147,6 +148,21 @@ OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64
   return best;
 }
 
+// Between 0.4 x and 1 x the SMs in tiles: the eager call's time in us by two fits of H100
+// measurements at e94f895's kernels (same-process sweeps of CULA_KDA_COOPERATIVE=0/1 over 25
+// shapes, 32 to 112 tiles of 16 to 128 chunks, docs/perf-notes.md): the fused kernel (one wave)
+// 7.7 us per chunk of a tile + 90 (general gates 10.0 + 67), the cooperative mode 1.08 x the
+// tiles-per-owner model (choose_tiles_per_owner) + 120 (general gates 4 % more). Both fits hold
+// within ~5 % on the measured shapes; the mode runs where its estimate is the smaller: fused for
+// B1 T1024-T2048 H64 and for 80-112 tiles of T8192, cooperative for B1 T3072-T8192 H64 and B1
+// T8192 H53.
+bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, bool general_gates) {
+  const double c = double(chunks_per_tile);
+  const double fused_us = general_gates ? 10.0 * c + 67.0 : 7.7 * c + 90.0;
+  const double coop_us = (general_gates ? 1.04 : 1.0) * (1.08 * owner_model_us + 120.0);
+  return coop_us < fused_us;
+}
+
 Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   Plan plan;
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
@@ -154,9 +170,10 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   const int64_t all_chunks = (tokens + sm90::kChunk - 1) / sm90::kChunk * p.num_v_heads;
   const int64_t chunks_per_tile = (tokens / p.num_seqs + sm90::kChunk - 1) / sm90::kChunk;
   // Cooperative for few tiles (<= 0.4 x SMs: the helpers outrun the chains), and up to the SM
-  // count where the model above beats the fused kernel's ~12 us per chunk of each tile by 15 %.
+  // count where the model above says the mode's call is the shorter one (cooperative_beats_fused).
   const OwnerChoice owner_choice = choose_tiles_per_owner(num_tiles, chunks_per_tile, all_chunks, sm_count);
-  const bool coop_by_model = num_tiles < sm_count && owner_choice.us < 0.85 * 12.0 * double(chunks_per_tile);
+  const bool coop_by_model =
+      num_tiles < sm_count && cooperative_beats_fused(owner_choice.us, chunks_per_tile, p.general_gates);
   bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
   if (env_is("CULA_KDA_COOPERATIVE", "0")) coop = false;
   if (env_is("CULA_KDA_COOPERATIVE", "1")) coop = true;
