@@ -63,6 +63,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   static_assert(fold_m(kPrepAhead), "the fused state warpgroups take M folded into their chain");
   // The general gates' prep has one call site only (below).
   constexpr bool kOneSite = kDecays != Decays::kSafe;
+  static_assert(!kStageSAhead || !kOneSite, "(a) is skipped for c > 0: the safe kernels' loop starts at c = 0");
   const KdaPrefillParams& p = kp.problem;
   const int tid = threadIdx.x - first_thread(WarpgroupRole::kState0) - kWarpgroupThreads * half;
   const int warp = tid >> 5, lane = tid & 31;
@@ -133,7 +134,12 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
                 S.acc[mh][n8 * 4 + h2 * 2] * scale, S.acc[mh][n8 * 4 + h2 * 2 + 1] * scale);
           }
     };
-    bool s_tile_written = false;  // (a) done at the end of the previous chunk (kStageSAhead)
+    // (a) published to the warpgroup's products (async proxy).
+    const auto stage_s_tile = [&]() {
+      write_s_tile(1.f);
+      fence_smem_to_async_proxy();
+      named_barrier_sync(bar, 128);
+    };
     // Prep ahead: iteration c prepares chunk c + 1 of this tile or, at the last chunk, the next
     // tile's chunk 0, on the stage after this chunk's (one hot call site). Chunk 0 of a tile whose
     // previous tile did not prepare it (the first tile, or after an empty next tile) is prepared
@@ -176,13 +182,9 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       timer.mark(0);
 
       // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], the MN-major B operand, unless
-      // the previous chunk's end wrote it already (kStageSAhead).
-      if (!s_tile_written) {
-        write_s_tile(1.f);
-        fence_smem_to_async_proxy();
-        named_barrier_sync(bar, 128);
-      }
-      s_tile_written = false;
+      // the previous chunk of the tile wrote it at its end (kStageSAhead; its kernels start the
+      // chunk loop at c = 0, so that is every chunk but the first).
+      if (!kStageSAhead || c == 0) stage_s_tile();
 
       timer.mark(1);
       // (b) P = X = KG S.
@@ -426,12 +428,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       // stage just released: the next iteration's prep waits for that load first (~1.5k cycles a
       // chunk at B2, docs/perf-notes.md), and this takes (a) off the stretch after `ready`.
       if constexpr (kStageSAhead) {
-        if (c + 1 < num_chunks) {
-          write_s_tile(1.f);
-          fence_smem_to_async_proxy();
-          named_barrier_sync(bar, 128);
-          s_tile_written = true;
-        }
+        if (c + 1 < num_chunks) stage_s_tile();
       }
       timer.mark(5);
       pipe.advance();
