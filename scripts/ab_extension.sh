@@ -22,9 +22,10 @@
 # Env: ROWS (eager_timeline row names, ","-separated; default the cooperative rows and a fused
 #      control), ROUNDS (default 3), REPS (default 20), WORK (default /tmp/ab_extension),
 #      BASE_TAR (optional), MAX_JOBS (per build, default 8), RUN_TIMEOUT (seconds per timing
-#      process, default 150).
+#      process, default 150), TIMELINE_ARGS (more eager_timeline.py arguments, e.g.
+#      --softplus-gate for the general-gate kernels).
 set -euo pipefail
-(($# == 1)) || { sed -n '2,26p' "$0"; exit 2; }
+(($# == 1)) || { sed -n '2,27p' "$0"; exit 2; }
 PATCH=$(readlink -f "$1")
 BASE_TAR=${BASE_TAR:+$(readlink -f "$BASE_TAR")}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -33,6 +34,7 @@ ROUNDS=${ROUNDS:-3}
 REPS=${REPS:-20}
 WORK=${WORK:-/tmp/ab_extension}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
+read -r -a EXTRA <<< "${TIMELINE_ARGS:-}"
 export MAX_JOBS=${MAX_JOBS:-8}
 
 rm -rf "$WORK" && mkdir -p "$WORK/patched"
@@ -73,7 +75,7 @@ trap restore EXIT
 
 for v in main patched; do
   cp "$WORK/$v.so" "$SO"
-  timeout "$RUN_TIMEOUT" python3 scripts/eager_timeline.py --no-trace --reps 1 --rows "$ROWS" \
+  timeout "$RUN_TIMEOUT" python3 scripts/eager_timeline.py --no-trace --reps 1 --rows "$ROWS" ${EXTRA[@]+"${EXTRA[@]}"} \
     --save-outputs "$WORK/out_$v" > "$WORK/outputs_$v.log" 2>&1 || { echo "$v: output run failed"; tail -n 5 "$WORK/outputs_$v.log"; exit 1; }
 done
 python3 - "$WORK" <<'PY'
@@ -95,7 +97,7 @@ for r in $(seq 1 "$ROUNDS"); do
   for v in $order; do
     cp "$WORK/$v.so" "$SO"
     echo "### $v round $r"
-    timeout "$RUN_TIMEOUT" python3 scripts/eager_timeline.py --no-trace --reps "$REPS" --rows "$ROWS" 2>&1 \
+    timeout "$RUN_TIMEOUT" python3 scripts/eager_timeline.py --no-trace --reps "$REPS" --rows "$ROWS" ${EXTRA[@]+"${EXTRA[@]}"} 2>&1 \
       | grep -v "^NVIDIA" || echo "### $v round $r: the run failed or timed out"
   done
 done > "$WORK/abab.log" 2>&1

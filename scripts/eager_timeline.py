@@ -2,6 +2,7 @@
 
     python scripts/eager_timeline.py                      # the B1 / small / GVA rows
     python scripts/eager_timeline.py --rows "B1 T1024 H64" --env CULA_KDA_COOPERATIVE=0,1
+    python scripts/eager_timeline.py --rows "B2 T8192 H64" --softplus-gate --no-trace
 
 The benchmark's eager time is one call from an idle GPU (synchronise, start event, call, end
 event), so it holds the host time before the first launch and any gap the host leaves between
@@ -39,7 +40,7 @@ for _path in (os.path.join(_REPO, "benchmarks"), _REPO):
 
 from kda_bench.baselines.cula import CulaBaseline  # noqa: E402  (needs the path above)
 from kda_bench.inputs import Options, cu_seqlens, make_inputs  # noqa: E402
-from kda_bench.suite import LONG_PROMPT_WITH_SHORT, Config, given_lengths  # noqa: E402
+from kda_bench.suite import LONG_PROMPT_WITH_SHORT, Config, given_lengths, varlen  # noqa: E402
 from kda_bench.timing import capture_graphs, idle_call_ms  # noqa: E402
 
 ROWS = {
@@ -52,6 +53,9 @@ ROWS = {
     "B1 T131072 H2": Config("small", 1, 131072, 2, 2),
     "varlen 30000+3 H8": given_lengths("small", LONG_PROMPT_WITH_SHORT, 8, 8, 128),
     "B2 T8192 H16/HV64": Config("gva", 2, 8192, 16, 64),
+    # the benchmark's varlen target rows (its default seed 0)
+    "varlen 10 random H64": varlen("random", 10, 8192, 64, 64, 128, 0),
+    "varlen 100x128 H64": varlen("uniform", 100, 100 * 128, 64, 64, 128, 0),
 }
 
 
@@ -113,16 +117,20 @@ def trace(fn, label: str, n: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default=",".join(r for r in ROWS if not r.startswith(("B2 T8192 H64", "B8"))),
+    fused_rows = ("B2 T8192 H64", "B8", "varlen 10", "varlen 100")
+    ap.add_argument("--rows", default=",".join(r for r in ROWS if not r.startswith(fused_rows)),
                     help="comma-separated names of " + ", ".join(ROWS))
     ap.add_argument("--env", default="", help="NAME=v1,v2,... (each value gets its own eager and graph medians)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--traced", type=int, default=5)
     ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--softplus-gate", action="store_true",
+                    help="Kimi-Linear's unbounded gate (safe_gate=False, the general-gate kernels) instead of the "
+                    "benchmark's lower-bound gate")
     ap.add_argument("--save-outputs", default="", help="directory: save each row's (o, final state) of one call, "
                     "for a bitwise comparison of builds (torch.save, one file per row)")
     args = ap.parse_args()
-    opt = Options()
+    opt = Options(softplus_gate=args.softplus_gate)
     dev = torch.device("cuda")
     name, _, vals = args.env.partition("=")
     values = [x for x in vals.split(",") if x] or [None]
