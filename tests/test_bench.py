@@ -583,3 +583,21 @@ def test_env_sweep_shapes():
             env_sweep.parse_shape(bad)
     with pytest.raises(ValueError, match="unknown varlen distribution"):
         env_sweep.parse_shape("zipf:10x8192x64")
+
+
+def test_eager_timeline_rows_are_the_benchmarks():
+    """scripts/eager_timeline.py (the rows scripts/ab_extension.sh A/Bs): every row is the
+    benchmark's target row of the same shape, varlen lengths included, so an A/B there speaks for
+    the bench's numbers."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("eager_timeline", os.path.join(ROOT, "scripts", "eager_timeline.py"))
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    suite = {(c.mode, c.B, c.T, c.H, c.HV, c.lens) for c in build_suite("targets")}
+    rows = timeline.ROWS
+    for name in ("B2 T8192 H64", "B8 T8192 H64", "B1 T1024 H64", "B1 T8192 H64", "B1 T32768 H8",
+                 "B1 T65536 H4", "B2 T8192 H16/HV64", "varlen 10 random H64", "varlen 100x128 H64"):
+        c = rows[name]
+        assert (c.mode, c.B, c.T, c.H, c.HV, c.lens) in suite, name
+    assert len(rows["varlen 10 random H64"].lens) == 10 and sum(rows["varlen 10 random H64"].lens) == 8192
+    assert rows["varlen 100x128 H64"].lens == (128,) * 100
