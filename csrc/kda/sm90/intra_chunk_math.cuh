@@ -17,7 +17,8 @@
 //      (bf16); A_kk stays in registers (its diagonal blocks also go to the scratch)
 //   6. QG = QE exp2(r_b) = q exp2(G), KG = beta KE exp2(r_b) = beta k exp2(G)   (in place)
 //   7. M = (I + A_kk)^-1: 16x16 diagonal blocks by forward substitution, the rest as three rounds
-//      of tf32 WGMMA products (unit_lower_inverse.cuh); M ends up in accumulator registers
+//      of WGMMA products (unit_lower_inverse.cuh: fp16 operands with l2norm, tf32 without); M
+//      ends up in accumulator registers
 //   8. fused kernels: M - I -> the M tile (bf16); the state warpgroups fold M into their chain,
 //      v_new = M (beta v - KG S), so KG and v stay in their slots (state_math.cuh).
 //      cooperative helpers: W = M KG -> k slot,  U = ((M - I) diag(beta)) v + beta v -> v slot
@@ -712,8 +713,11 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 //
 // kAqkHalf (shared_storage.cuh: aqk_is_half, coop_aqk_is_half): A_qk goes to the stage in fp16
 // (with kFoldDecay KT' too: the cooperative owners' operands of A_qk v_new and the state update).
+//
+// kHelperHalfInverse (cooperative helpers, kFoldDecay): the inverse with fp16 operands too; only the
+// helpers' kernel takes it (kda_prefill_kernel.cuh: kHelperIntraRegs).
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false,
-          bool kPrepped = false, bool kAqkHalf = false, bool kFoldM = false>
+          bool kPrepped = false, bool kAqkHalf = false, bool kFoldM = false, bool kHelperHalfInverse = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer,
                                             uint64_t* m_tile_empty = nullptr, uint32_t m_tile_phase = 0) {
@@ -889,10 +893,11 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     // proxy fence and barrier also publish QG/KG to the W/U products below (cooperative helpers;
     // in the fused kernels the fence before `ready` publishes them to the state warpgroups).
     float m[32];
-    // fp16 operands where |k| = 1 bounds M (unit_lower_inverse.cuh), in the fused kernels: in the
-    // cooperative helpers (128 registers a thread) its fragments made ptxas serialise every WGMMA
-    // of the kernel (C7512).
-    if constexpr (half_inverse(kL2Norm) && !kFoldDecay)
+    // fp16 operands where |k| = 1 bounds M (unit_lower_inverse.cuh): in the fused kernels, and in
+    // the helpers' kernel with kHelperIntraRegs (kda_prefill_kernel.cuh; at kIntraRegs its
+    // fragments made ptxas serialise every WGMMA of that kernel, C7512). The one-kernel form's
+    // helpers keep tf32: with the fp16 inverse its chain-bound rows ran 2-10 % slower on H100.
+    if constexpr (half_inverse(kL2Norm) && (!kFoldDecay || kHelperHalfInverse))
       invert_unit_lower_half(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
     else
       invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
@@ -1007,7 +1012,7 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
 // kPrepAhead (fused kernel): the state warpgroups prepared each stage (steps 1-3,
 // chunk_prep.cuh); the warpgroup waits for that (`prepped`) instead of the load (`full`).
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, Decays kDecays = Decays::kSafe,
-          bool kPrepAhead = false>
+          bool kPrepAhead = false, bool kHelperHalfInverse = false>
 __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem, int which = 0) {
   const KdaPrefillParams& p = kp.problem;
   // The thread's index in its warpgroup (1 or, for a helper's second intra warpgroup, 2), the same
@@ -1035,8 +1040,8 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
           gate_head = v_head;
         }
         timer.mark(0);
-        intra_chunk<kGateInKernel, kL2Norm, kDecays, /*kFoldDecay=*/true, /*kPrepped=*/false, coop_aqk_is_half(kL2Norm)>(
-            p, ws, st, rows, gate_scale, gate_bias, tid, timer);
+        intra_chunk<kGateInKernel, kL2Norm, kDecays, /*kFoldDecay=*/true, /*kPrepped=*/false, coop_aqk_is_half(kL2Norm),
+                    /*kFoldM=*/false, kHelperHalfInverse>(p, ws, st, rows, gate_scale, gate_bias, tid, timer);
         fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
       }
       cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer (also the end mark)

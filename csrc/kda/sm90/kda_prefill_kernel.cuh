@@ -41,7 +41,13 @@ static_assert(kProducerRegs + kIntraRegs + 2 * kStateRegs <= 65536 / 128, "regis
 // The helpers' kernel: no state warpgroups, so its claiming producer keeps more than
 // kProducerRegs (at 24 it spilled 52 bytes).
 constexpr uint32_t kHelperProducerRegs = 56;
-static_assert(kHelperProducerRegs + 2 * kIntraRegs + kProducerRegs <= 65536 / 128, "register budget of a helper CTA");
+// The helpers' kernel's intra-chunk warpgroups take more: it has no state warpgroups, so its
+// budget allows it (producer 56, storer warpgroup 24, two intra warpgroups), and their chain (which
+// also runs the prep and forms W and U) needs it for the fp16 inverse: at kIntraRegs ptxas
+// serialises every WGMMA of the kernel (C7512). The one-kernel form's helpers keep kIntraRegs and
+// the tf32 inverse (intra_chunk_math.cuh says why).
+constexpr uint32_t kHelperIntraRegs = 208;
+static_assert(kHelperProducerRegs + 2 * kHelperIntraRegs + kProducerRegs <= 65536 / 128, "register budget of a helper CTA");
 // Cooperative tile owners (owner_state_math.cuh): no intra-chunk work, so its warpgroup drops to
 // kProducerRegs and the state warpgroups take the rest.
 constexpr uint32_t kOwnerStateRegs = 232;
@@ -137,8 +143,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     } else {
       const int which = int(role) - int(WarpgroupRole::kIntra);  // 0 or 1
       if (which < kp.coop.helper_intra) {
-        cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
-        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, which);
+        cutlass::arch::warpgroup_reg_alloc<kHelperIntraRegs>();
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays, false, /*kHelperHalfInverse=*/true>(kp, smem, which);
       }
     }
     return;
@@ -158,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
   } else if (role == WarpgroupRole::kIntra) {
     if constexpr (kCoop) {
       if (helper) {
-        cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
+        cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();  // tf32 inverse (intra_chunk_math.cuh)
         run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays>(kp, smem, 0);
       } else {
         cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();  // for the owner's state warpgroups

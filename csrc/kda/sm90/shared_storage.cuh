@@ -110,7 +110,7 @@ struct alignas(1024) SharedStorage {
   StageStorage stage[kStages];
 
   // Intra-chunk scratch (single-buffered; the state warpgroups read only the M tile there, fold_m).
-  alignas(1024) uint8_t inverse_operand[kTileBytes];  // B operands of the inverse's products (tf32)
+  alignas(1024) uint8_t inverse_operand[kTileBytes];  // B operands of the inverse's products (tf32 or fp16)
   // General gates: each (block, feature)'s factor reference, r_b or r_{b-1} (intra_chunk_math.cuh).
   float a_ref[kNumSubBlocks][kHeadDim];
   alignas(1024) uint8_t intra_scratch[8192];           // see the offsets below

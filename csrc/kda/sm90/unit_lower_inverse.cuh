@@ -1,5 +1,6 @@
 // M = (I + A)^-1 for the 64x64 strictly lower triangular A = beta * A_kk of one chunk, on the
-// intra-chunk warpgroup, with every matrix product on the tensor cores (tf32 WGMMA).
+// intra-chunk warpgroup, with every matrix product on the tensor cores (tf32 WGMMA; fp16 with
+// l2-normalised keys: half_inverse below).
 //
 // Split A by 16-row blocks into its diagonal blocks A_d and the blocks below them A_o. Then
 //
