@@ -169,7 +169,9 @@ def test_tiles_per_owner_bitwise_one(spec: Spec, seed: int, monkeypatch):
 #: has landed).
 #: With l2norm, the helpers' kernel (fp16 inverse) against the one-kernel form (tf32 inverse): the
 #: same 10-bit mantissa, differently rounded; 3.1-3.4e-4 relative (o) and 1-2e-4 (state) on the
-#: cooperative bench rows (H100).
+#: cooperative bench rows (H100). Slow decays (long memory) carry the roundings further: there
+#: the two kernels differ as launches do (B1 T6000 H1/HV2 in 4 segments: o 2.7e-3, state 1.2e-3),
+#: and MODE_RTOL applies.
 FORMS_RTOL = 1e-3
 
 HELPER_FORMS = {
@@ -231,8 +233,9 @@ def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, 
     if not spec.l2norm:
         assert torch.equal(o, o_one) and torch.equal(s, s_one), f"{spec.id}: one_kernel differs from two_kernels (no l2norm)"
     else:
-        assert _rel(o_one, o) <= FORMS_RTOL and _rel(s_one, s) <= FORMS_RTOL, (
-            f"{spec.id}: one_kernel vs two_kernels: o {_rel(o_one, o):.2e}, state {_rel(s_one, s):.2e} > {FORMS_RTOL}"
+        rtol = MODE_RTOL if spec.gate == "slow" else FORMS_RTOL
+        assert _rel(o_one, o) <= rtol and _rel(s_one, s) <= rtol, (
+            f"{spec.id}: one_kernel vs two_kernels: o {_rel(o_one, o):.2e}, state {_rel(s_one, s):.2e} > {rtol}"
         )
         if spec.gate != "slow":
             compare_to_reference(spec, inp, o_one, s_one, what=f"{spec.id} cooperative, one kernel")
@@ -241,6 +244,8 @@ def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, 
         monkeypatch.delenv("CULA_KDA_SEGMENTS")
         o_whole, s_whole = kda_prefill(**inp, output_final_state=True, safe_gate=True, backend="sm90")
         _check_segments(spec, inp, o, s, o_whole, s_whole, what)
+        if spec.l2norm:
+            _check_segments(spec, inp, o_one, s_one, o_whole, s_whole, f"{spec.id} cooperative, one kernel")
     else:
         compare_to_reference(spec, inp, o, s, what=what)
 
