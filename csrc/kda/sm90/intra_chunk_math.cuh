@@ -17,8 +17,9 @@
 //      (bf16); A_kk stays in registers (its diagonal blocks also go to the scratch)
 //   6. QG = QE exp2(r_b) = q exp2(G), KG = beta KE exp2(r_b) = beta k exp2(G)   (in place)
 //   7. M = (I + A_kk)^-1: 16x16 diagonal blocks by forward substitution, the rest as three rounds
-//      of WGMMA products (unit_lower_inverse.cuh: fp16 operands with l2norm, tf32 without); M
-//      ends up in accumulator registers
+//      of WGMMA products (unit_lower_inverse.cuh: fp16 operands with l2norm, except in the
+//      one-kernel cooperative form's helpers, tf32 otherwise; see step 7 below); M ends up in
+//      accumulator registers
 //   8. fused kernels: M - I -> the M tile (bf16); the state warpgroups fold M into their chain,
 //      v_new = M (beta v - KG S), so KG and v stay in their slots (state_math.cuh).
 //      cooperative helpers: W = M KG -> k slot,  U = ((M - I) diag(beta)) v + beta v -> v slot
@@ -896,7 +897,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     // fp16 operands where |k| = 1 bounds M (unit_lower_inverse.cuh): in the fused kernels, and in
     // the helpers' kernel with kHelperIntraRegs (kda_prefill_kernel.cuh; at kIntraRegs its
     // fragments made ptxas serialise every WGMMA of that kernel, C7512). The one-kernel form's
-    // helpers keep tf32: with the fp16 inverse its chain-bound rows ran 2-10 % slower on H100.
+    // helpers keep tf32: with the fp16 inverse its chain-bound row B1 T32768 H8 ran 10 % slower on H100.
     if constexpr (half_inverse(kL2Norm) && (!kFoldDecay || kHelperHalfInverse))
       invert_unit_lower_half(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
     else

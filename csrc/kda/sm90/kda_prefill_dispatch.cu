@@ -125,10 +125,12 @@ int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, 
 
 // Tiles per owner CTA (CooperativePlan::tiles_per_owner) by a model of the launch, in us, from the
 // mean chunks per tile C (exact for fixed-length batches): k tiles per owner take k x C x 2.6 us of
-// one-owner chain, and all chunks take 9.3 us each on SMs - ceil(tiles / k) helpers (two
-// intra-chunk warpgroups per helper; both constants measured on an H100, docs/perf-notes.md: 10 us
-// with the tf32 inverse, 7 % less since the helpers' kernel takes the fp16 one, 2390860). The
-// launch takes the longer of the two. Returns the best k in 1..4 and its time.
+// one-owner chain, and all chunks take 10 us each on SMs - ceil(tiles / k) helpers (two
+// intra-chunk warpgroups per helper; both constants measured on an H100, docs/perf-notes.md). The
+// launch takes the longer of the two. Returns the best k in 1..4 and its time. (The helpers' kernel
+// is ~7 % faster since its fp16 inverse; 9.3 us here measured right for B1 T2048 H64, but it also
+// moves 47-48 tiles to one tile per owner and 57-72 long tiles to the cooperative mode, unmeasured:
+// docs/perf-notes.md, "Where it stands (2390860)".)
 struct OwnerChoice {
   int tiles_per_owner = 1;
   double us = 0;      // the model's time with tiles_per_owner
@@ -139,7 +141,7 @@ OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64
   for (int k = 1; k <= 4; ++k) {
     const int64_t helpers = int64_t(sm_count) - (tiles + k - 1) / k;
     if (helpers < 1) continue;
-    const double us = std::max(2.6 * double(k * chunks_per_tile), 9.3 * double(all_chunks) / double(helpers));
+    const double us = std::max(2.6 * double(k * chunks_per_tile), 10.0 * double(all_chunks) / double(helpers));
     if (k == 1) best.one_us = us;
     if (k == 1 || us < best.us) {
       best.tiles_per_owner = k;
@@ -155,9 +157,8 @@ OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64
 // 7.7 us per chunk of a tile + 90 (general gates 10.0 + 67), the cooperative mode 1.08 x the
 // tiles-per-owner model (choose_tiles_per_owner) + 120 (general gates 4 % more). Both fits hold
 // within ~5 % on the measured shapes; the mode runs where its estimate is the smaller: fused for
-// B1 T1024 H64 and for 80-112 tiles of T8192, cooperative for B1 T2048-T8192 H64 and B1 T8192 H53
-// (the sweep at 2390860's faster helpers: B1 T2048 H64 cooperative 0.290 vs fused 0.314 ms,
-// T1024 H64 0.191 vs 0.194, a tie left to the fused kernel; the other shapes' choices unchanged).
+// B1 T1024-T2048 H64 and for 80-112 tiles of T8192, cooperative for B1 T3072-T8192 H64 and B1
+// T8192 H53.
 bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, bool general_gates) {
   const double c = double(chunks_per_tile);
   const double fused_us = general_gates ? 10.0 * c + 67.0 : 7.7 * c + 90.0;

@@ -1,6 +1,6 @@
 // M = (I + A)^-1 for the 64x64 strictly lower triangular A = beta * A_kk of one chunk, on the
 // intra-chunk warpgroup, with every matrix product on the tensor cores (tf32 WGMMA; fp16 with
-// l2-normalised keys: half_inverse below).
+// l2-normalised keys, half_inverse below, in the kernels that take it: intra_chunk_math.cuh, step 7).
 //
 // Split A by 16-row blocks into its diagonal blocks A_d and the blocks below them A_o. Then
 //
@@ -239,7 +239,8 @@ __device__ __forceinline__ void invert_unit_lower(float (&a_off)[24], float* dia
 // fp16 form (half_inverse).
 // ---------------------------------------------------------------------------------------------
 
-// The inverse in fp16 where the keys are l2-normalised (see the top of this file).
+// The inverse may take fp16 operands where the keys are l2-normalised (see the top of this file);
+// which kernels do is decided at the call (intra_chunk_math.cuh, step 7).
 constexpr bool half_inverse(bool l2norm) { return l2norm; }
 
 // The fp16 A fragment of k-step ks (columns 16 ks .. 16 ks + 15) of an m64nN accumulator-layout
