@@ -213,13 +213,16 @@ def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, 
             monkeypatch.setenv("CULA_KDA_SEGMENTS", variant)
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
     monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
-    out = {}
-    for form, env in HELPER_FORMS.items():
+    def use_form(env: dict[str, str]) -> None:
         for name in ("CULA_KDA_HELPER_INTRA", "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_HELPER_KERNEL", "CULA_KDA_TILES_PER_OWNER",
                      "CULA_KDA_EARLY_RELEASE"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
+
+    out = {}
+    for form, env in HELPER_FORMS.items():
+        use_form(env)
         out[form] = kda_prefill(**inp, output_final_state=True, safe_gate=variant != "softplus", backend="sm90")
     def same(a: str, b: str) -> bool:
         return torch.equal(out[a][0], out[b][0]) and torch.equal(out[a][1], out[b][1])
@@ -243,21 +246,16 @@ def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, 
         )
         if spec.gate != "slow":
             compare_to_reference(spec, inp, o_one, s_one, what=f"{spec.id} cooperative, one kernel")
-    what = f"{spec.id} cooperative, two kernels"
     if spec.gate == "slow":  # segments with slow decays: the accuracy rule of _check_segments,
         # each kernel's segmented result against its own unsegmented launch
         monkeypatch.delenv("CULA_KDA_SEGMENTS")
-        whole = {}
-        for kernel, flag in (("two_kernels", "1"), ("one_kernel", "0")):
-            for name in ("CULA_KDA_HELPER_INTRA", "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_EARLY_RELEASE"):
-                monkeypatch.delenv(name, raising=False)
-            monkeypatch.setenv("CULA_KDA_HELPER_KERNEL", flag)
-            whole[kernel] = kda_prefill(**inp, output_final_state=True, safe_gate=True, backend="sm90")
-        _check_segments(spec, inp, o, s, *whole["two_kernels"], what)
-        if spec.l2norm:
-            _check_segments(spec, inp, o_one, s_one, *whole["one_kernel"], f"{spec.id} cooperative, one kernel")
+        kernels = ["two_kernels", "one_kernel"] if spec.l2norm else ["two_kernels"]  # bitwise alike without
+        for form in kernels:
+            use_form(HELPER_FORMS[form])
+            o_whole, s_whole = kda_prefill(**inp, output_final_state=True, safe_gate=True, backend="sm90")
+            _check_segments(spec, inp, *out[form], o_whole, s_whole, f"{spec.id} cooperative, {form}")
     else:
-        compare_to_reference(spec, inp, o, s, what=what)
+        compare_to_reference(spec, inp, o, s, what=f"{spec.id} cooperative, two kernels")
 
 
 #: ``CULA_KDA_SEGMENTS=G``: each tile's chunks in G segments whose chains run at once (the first

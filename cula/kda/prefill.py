@@ -704,9 +704,9 @@ def kda_prefill(
       ``use_gate_in_kernel=True``, the raw gate input.
     * ``beta``: ``[B, T, HV]``, float32 or bfloat16 (the reference backend also takes q's dtype).
       With ``use_qk_l2norm_in_kernel=True`` the sm90 kernel (fused mode and the cooperative
-      mode's helpers' kernel) inverts the chunk's ``I + A_kk`` with fp16 operands, whose range holds for beta in
-      ``[0, 2]`` (where each step of the delta rule is a contraction); larger values are not
-      checked and may overflow there.
+      mode's helpers' kernel) inverts the chunk's ``I + A_kk`` with fp16 operands, whose range
+      holds for beta in ``[0, 2]`` (where each step of the delta rule is a contraction); larger
+      values are not checked and may overflow there.
     * ``initial_state``: float32 or bfloat16 ``[N, HV, K, V]`` (``state_layout="kv"``) or
       ``[N, HV, V, K]`` (``"vk"``); ``N`` is ``B``, or ``len(cu_seqlens) - 1`` with
       ``cu_seqlens``. Zeros if None. With ``state_indices`` it is a state pool instead (below).
