@@ -1,6 +1,7 @@
 """Host (CPU) time of one eager ``kda_prefill(backend="sm90")`` call, and where it goes.
 
     python scripts/host_overhead.py              # needs an SM90 GPU and the built extension
+    python scripts/host_overhead.py --also 1x8192x64 1x32768x8   # whole call and binding there too
 
 On B=1 T=1024 H=HV=64 (the benchmark row where the eager time exceeds the CUDA-graph time the
 most) it times, with ``time.perf_counter`` around each of 300 calls and no synchronisation in
@@ -15,11 +16,14 @@ its host time):
 * the eager time as the benchmark takes it (synchronise, event, call, event), with and without
   the remembered validation, interleaved call by call;
 
-then prints the ten most expensive functions of a cProfile of 300 whole calls.
+then prints the ten most expensive functions of a cProfile of 300 whole calls. ``--also BxTxH``
+adds the whole call and the binding alone for more shapes (e.g. the cooperative launches: their
+workspace, sync-area memset and second kernel are in the binding's time).
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import pstats
@@ -40,7 +44,47 @@ def _median_us(fn, reps: int = 300) -> float:
     return 1e6 * statistics.median(times)
 
 
+def _shape_times(B: int, T: int, H: int) -> str:
+    """Whole call and binding alone (prepared arguments) for one more shape."""
+    from cula import _ext
+    from cula.kda import kda_prefill
+
+    D, dev = 128, "cuda"
+    q, k, v, g = (torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    beta = torch.rand(B, T, H, device=dev)
+    A_log, dt_bias = torch.randn(H, device=dev), torch.randn(H * D, device=dev)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              A_log=A_log, dt_bias=dt_bias, safe_gate=True, lower_bound=-5.0, backend="sm90")
+    o, fs = torch.empty_like(v), torch.empty(B, H, D, D, device=dev)
+    ext = _ext.get_ext()
+
+    def whole() -> None:
+        kda_prefill(q, k, v, g, beta, **kw)
+
+    def binding() -> None:
+        ext.kda_prefill_sm90(
+            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=None,
+            cu_seqlens=None, state_indices=None, has_initial_state=None, o=o, final_state=fs,
+            state_pool=None, scale=D ** -0.5, lower_bound=-5.0, use_gate_in_kernel=True,
+            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=False, state_v_first=False,
+            general_gates=False)
+
+    for _ in range(10):
+        whole()
+        binding()
+    torch.cuda.synchronize()
+    # Few reps: these kernels take 0.7-0.9 ms, so 300 queued calls would fill the launch queue.
+    launch = ext.kda_prefill_sm90_launch_name(
+        batch=B, seqlen=T, num_seqs=B, num_qk_heads=H, num_v_heads=H, varlen=False,
+        general_gates=False, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    return (f"B{B} T{T} H{H} ({launch}): whole call {_median_us(whole, 60):.1f} us, binding alone "
+            f"{_median_us(binding, 60):.1f} us")
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--also", nargs="*", default=[], help="more shapes BxTxH")
+    args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
         print("host_overhead: needs an SM90 (Hopper) GPU", file=sys.stderr)
         return 2
@@ -113,6 +157,9 @@ def main() -> int:
               flush=True)
     except Exception as exc:  # the binding's keyword set may differ: report, go on
         print(f"binding alone: not measured ({type(exc).__name__}: {exc})", flush=True)
+
+    for shape in args.also:
+        print(_shape_times(*(int(x) for x in shape.split("x"))), flush=True)
 
     empty = lambda: (torch.empty_like(v), torch.empty(B, H, D, D, device=dev))  # noqa: E731
     print(f"two torch.empty: {_median_us(empty):.1f} us", flush=True)
