@@ -89,15 +89,29 @@ def test_tiles_per_owner_up_to_the_sm_count():
     assert launch(1, 4096, 64) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 53) == "cooperative-two-kernels-2-tiles-per-owner"
     # Between 0.4 x and 1 x the SMs the fused kernel where the fits of its and the mode's measured
-    # times say so (cooperative_beats_fused; H100 sweeps at e94f895): short tiles (B1 T1024 H64:
-    # fused 0.211 vs 0.230 ms) and 80-120 tiles (B1 T8192 H96: 1.134 vs 1.429, B2 T8192 H40: 1.088
-    # vs 1.214, B1 T8192 H112, B1 T2048 H120).
+    # times say so (cooperative_beats_fused; H100 sweeps at 2390860's kernels): B1 T1024 H64 (a tie:
+    # fused 0.194 / 0.185 vs cooperative 0.191 / 0.202 ms in two sweeps) and 80-120 tiles (B1 T8192
+    # H80: 1.061 vs 1.123, H96: 1.075 vs 1.289, B2 T8192 H40: 1.033 vs 1.094, B1 T1024 H96 and H112,
+    # B1 T2048 H120); the cooperative mode up to 71 tiles of long sequences (B1 T8192 H68: 0.922 vs
+    # fused 1.024, H71: 0.992 vs 1.017, B1 T16384 H70: 1.844 vs 1.980) and from T2048 at H64 (0.290
+    # vs 0.314) and H58 (0.272 vs 0.306).
     assert launch(1, 1024, 64) == "index"
-    assert launch(1, 2048, 64) == "index"
+    assert launch(1, 2048, 64) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 2048, 58) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 8192, 68) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 8192, 71) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 16384, 70) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 8192, 80) == "index"
     assert launch(1, 8192, 96) == "index"
     assert launch(2, 8192, 40) == "index"
     assert launch(1, 8192, 112) == "index"
+    assert launch(1, 1024, 96) == "index"
     assert launch(1, 2048, 120) == "index"
+    # 47-48 tiles: 2 tiles per owner (measured 5-7 % faster than one on B1 T2048-T16384 H48, B1
+    # T8192 H47 and B2 T8192 H24).
+    assert launch(1, 16384, 48) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 8192, 47) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(2, 8192, 24) == "cooperative-two-kernels-2-tiles-per-owner"
     # The general gates' fused kernel is ~30 % slower per chunk, so the mode reaches further there
     # (B1 T2048 H64 softplus: cooperative 0.342 vs fused 0.389 ms), with 3 tiles per owner at 80.
     assert launch(1, 2048, 64, general=True) == "cooperative-two-kernels-2-tiles-per-owner"

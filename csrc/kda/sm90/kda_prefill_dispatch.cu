@@ -128,9 +128,9 @@ int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, 
 // one-owner chain, and all chunks take 10 us each on SMs - ceil(tiles / k) helpers (two
 // intra-chunk warpgroups per helper; both constants measured on an H100, docs/perf-notes.md). The
 // launch takes the longer of the two. Returns the best k in 1..4 and its time. (The helpers' kernel
-// is ~7 % faster since its fp16 inverse; 9.3 us here measured right for B1 T2048 H64, but it also
-// moves 47-48 tiles to one tile per owner and 57-72 long tiles to the cooperative mode, unmeasured:
-// docs/perf-notes.md, "Where it stands (2390860)".)
+// is ~7 % faster since its fp16 inverse, but 10 us still picks k right: 9.3 would move 47-48 tiles
+// to one tile per owner, which measured 5-7 % slower on all five shapes swept, B1 T2048-T16384
+// H47-48 and B2 T8192 H24; docs/perf-notes.md, "Where it stands (e4c2de5)".)
 struct OwnerChoice {
   int tiles_per_owner = 1;
   double us = 0;      // the model's time with tiles_per_owner
@@ -152,18 +152,19 @@ OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64
 }
 
 // Between 0.4 x and 1 x the SMs in tiles: the eager call's time in us by two fits of H100
-// measurements at e94f895's kernels (same-process sweeps of CULA_KDA_COOPERATIVE=0/1 over 25
-// shapes, 32 to 112 tiles of 16 to 128 chunks, docs/perf-notes.md): the fused kernel (one wave)
-// 7.7 us per chunk of a tile + 90 (general gates 10.0 + 67), the cooperative mode 1.08 x the
-// tiles-per-owner model (choose_tiles_per_owner) + 120 (general gates 4 % more). Both fits hold
-// within ~5 % on the measured shapes; the mode runs where its estimate is the smaller: fused for
-// B1 T1024-T2048 H64 and for 80-112 tiles of T8192, cooperative for B1 T3072-T8192 H64 and B1
-// T8192 H53.
+// measurements (same-process sweeps of CULA_KDA_COOPERATIVE=0/1 over 22 shapes, 48 to 112 tiles of
+// 16 to 256 chunks, at 2390860's kernels; docs/perf-notes.md): the fused kernel (one wave) 7.52 us
+// per chunk of a tile + 75, the cooperative mode 0.966 x the tiles-per-owner model
+// (choose_tiles_per_owner) + 95.5; both within ~6 % on every swept shape. The cooperative mode runs
+// where its estimate is 2 % below the fused one (the fused kernel keeps the ties: B1 T1024 H64,
+// measured 0.194 / 0.191 ms in one sweep and 0.185 / 0.202 in another): cooperative for B1
+// T2048-T8192 H64, B1 T8192 H53-H71, B1 T16384 H70; fused for B1 T1024 H64, 80-112 tiles of T8192
+// and 96-112 tiles of T1024-T4096. General gates keep e94f895's fits (fused 10.0 us per chunk + 67,
+// cooperative 1.04 x (1.08 x the model + 120)), not re-measured since.
 bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, bool general_gates) {
   const double c = double(chunks_per_tile);
-  const double fused_us = general_gates ? 10.0 * c + 67.0 : 7.7 * c + 90.0;
-  const double coop_us = (general_gates ? 1.04 : 1.0) * (1.08 * owner_model_us + 120.0);
-  return coop_us < fused_us;
+  if (general_gates) return 1.04 * (1.08 * owner_model_us + 120.0) < 10.0 * c + 67.0;
+  return 0.966 * owner_model_us + 95.5 < 0.98 * (7.52 * c + 75.0);
 }
 
 Plan plan_call(const KdaPrefillParams& p, int sm_count) {
