@@ -270,17 +270,26 @@ def _clone_call(call: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_paths_agree_on_results_and_mutations(case: str, seed: int, monkeypatch) -> None:
-    """Bitwise the same outputs, the same caller buffers written (out=, final_state=, pool rows)
-    and the same identities returned, by the direct path and the op."""
+    """Bitwise the same outputs, the same caller buffers written (out=, final_state=, pool rows),
+    the same identities returned and the written caller buffers' version counters bumped, by the
+    direct path and the op."""
     call = _case_call(case)
     direct_call, op_call = _clone_call(call), _clone_call(call)
+    # The caller's buffers that the call writes: out=, final_state=, a pool with final states.
+    written = [n for n in ("out", "final_state") if call.get(n) is not None]
+    if call.get("state_indices") is not None and call.get("output_final_state"):
+        written.append("initial_state")
     spy = PathSpy(monkeypatch)
+    before = {n: direct_call[n]._version for n in written}
     o_d, s_d = kda_prefill(**direct_call)
     assert spy.path == "direct"
+    assert all(direct_call[n]._version > before[n] for n in written), (written, before)
     _force_op(monkeypatch)
     spy.calls.clear()
+    before = {n: op_call[n]._version for n in written}
     o_o, s_o = kda_prefill(**op_call)
     assert spy.path == "op"
+    assert all(op_call[n]._version > before[n] for n in written), (written, before)
     assert torch.equal(o_d, o_o)
     assert (s_d is None) == (s_o is None) and (s_d is None or torch.equal(s_d, s_o))
     for name, value in call.items():
@@ -332,3 +341,45 @@ def test_paths_agree_on_validation_errors(monkeypatch) -> None:
     with pytest.raises(ValueError) as via_op:
         kda_prefill(**x)
     assert str(direct.value) == str(via_op.value) and "`beta`" in str(direct.value)
+
+
+class _SilentExt:
+    """Stands in for the compiled extension: writes nothing and, like the kernel, bumps no
+    version counter (so only the eager path's own bumps show)."""
+
+    def kda_prefill_sm90(self, **kw: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize("given", ["out+final_state", "none"])
+def test_direct_path_bumps_the_caller_buffers_it_writes(given: str, monkeypatch) -> None:
+    """The direct path bumps the version counters of the caller's buffers it writes (``out``,
+    ``final_state``), as the op's dispatch does, and returns fresh outputs where none were given
+    (their counters are not observable before they are returned, so they are not bumped)."""
+    monkeypatch.setattr(prefill_mod, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(prefill_mod, "_check_sm90_environment", lambda q, prefix: None)
+    monkeypatch.setattr(_ext, "get_ext", lambda: _SilentExt())
+    spy_calls = []
+    real = op_mod._BACKENDS["sm90"]
+
+    def sm90(*args: Any) -> None:
+        spy_calls.append(sys._getframe(1).f_code.co_name)
+        real(*args)
+
+    monkeypatch.setitem(op_mod._BACKENDS, "sm90", sm90)
+    bf16 = dict(dtype=torch.bfloat16)
+    kw: dict[str, Any] = {}
+    if given != "none":
+        kw = dict(out=torch.empty(1, T, HV, 128, **bf16), final_state=torch.empty(1, HV, 128, 128))
+    before = {n: t._version for n, t in kw.items()}
+    o, s = kda_prefill(torch.randn(1, T, H, 128, **bf16), torch.randn(1, T, H, 128, **bf16),
+                       torch.randn(1, T, HV, 128, **bf16), -torch.rand(1, T, HV, 128).to(**bf16),
+                       torch.rand(1, T, HV), safe_gate=True, output_final_state=True,
+                       backend="sm90", **kw)
+    assert spy_calls == ["call_kda_prefill"]
+    assert o.shape == (1, T, HV, 128) and o.dtype == torch.bfloat16 and o.is_contiguous()
+    assert s.shape == (1, HV, 128, 128) and s.dtype == torch.float32
+    for n, t in kw.items():
+        assert t._version == before[n] + 1, f"{n}: version {t._version}, was {before[n]}"
+    if given != "none":
+        assert o is kw["out"] and s is kw["final_state"]

@@ -270,12 +270,18 @@ def call_kda_prefill(
     scale: float, lower_bound: float | None, use_gate_in_kernel: bool,
     use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, state_layout: str,
     bounded_decays: bool, backend: str,
+    seen_outputs: tuple[Tensor | None, ...] | None = None,
 ) -> None:
     """``torch.ops.cula.kda_prefill`` with the same arguments, or, in plain eager mode
     (:func:`_plain_eager`), its implementation called directly. Either way the same function runs
     on the same tensors, and the mutated outputs get their version counters bumped as the op's
     dispatch does; under ``torch.compile``, export, fake tensors, dispatch or torch-function
-    modes, ``torch.jit.trace``, functorch transforms or autograd the op is always the path."""
+    modes, ``torch.jit.trace``, functorch transforms or autograd the op is always the path.
+
+    ``seen_outputs``: on the direct path, the outputs whose version counters are bumped (default
+    ``(o, final_state, state_pool)``). :func:`cula.kda.kda_prefill` passes only the caller's
+    buffers: a tensor it has just allocated has no other reference, so no one can observe its
+    counter (and each bump costs ~1 us of Python)."""
     args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_indices,
             has_initial_state, o, final_state, state_pool)
     if not _plain_eager(args):
@@ -287,6 +293,6 @@ def call_kda_prefill(
         return
     _BACKENDS[backend](*args, scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
                        use_beta_sigmoid_in_kernel, state_layout, bounded_decays)
-    for t in (o, final_state, state_pool):
+    for t in (o, final_state, state_pool) if seen_outputs is None else seen_outputs:
         if t is not None and not t.is_inference():
             torch.autograd.graph.increment_version(t)

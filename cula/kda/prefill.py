@@ -833,7 +833,13 @@ def kda_prefill(
     B, T, HV, V = v.shape
     K = q.shape[3]
     device = q.device
-    o = out if out is not None else torch.empty((B, T, HV, V), dtype=q.dtype, device=device)
+    if out is not None:
+        o = out
+    elif v.dtype == q.dtype:  # (always on sm90) empty_like is the cheaper call
+        o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    else:
+        o = torch.empty((B, T, HV, V), dtype=q.dtype, device=device)
+    caller_final_state = final_state
     state_pool = None
     if plan.pooled:
         # The pool is read by index; with output_final_state it is also written (in place).
@@ -854,6 +860,7 @@ def kda_prefill(
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, state_layout=state_layout,
         bounded_decays=plan.bounded_decays, backend=plan.backend,
+        seen_outputs=(out, caller_final_state, state_pool),
     )
 
     LAST_BACKEND = plan.backend
