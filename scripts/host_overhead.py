@@ -44,8 +44,9 @@ def _median_us(fn, reps: int = 300) -> float:
     return 1e6 * statistics.median(times)
 
 
-def _shape_times(B: int, T: int, H: int) -> str:
-    """Whole call and binding alone (prepared arguments) for one more shape."""
+def _calls(B: int, T: int, H: int):
+    """For one shape (the benchmark's options, D = 128): the whole eager ``kda_prefill`` call, the
+    extension's binding alone with prepared arguments and outputs, and the extension."""
     from cula import _ext
     from cula.kda import kda_prefill
 
@@ -69,6 +70,12 @@ def _shape_times(B: int, T: int, H: int) -> str:
             use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=False, state_v_first=False,
             general_gates=False)
 
+    return whole, binding, ext
+
+
+def _shape_times(B: int, T: int, H: int) -> str:
+    """Whole call and binding alone (prepared arguments) for one more shape."""
+    whole, binding, ext = _calls(B, T, H)
     for _ in range(10):
         whole()
         binding()
@@ -88,21 +95,9 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability(0) != (9, 0):
         print("host_overhead: needs an SM90 (Hopper) GPU", file=sys.stderr)
         return 2
-    from cula import _ext
-    from cula.kda import kda_prefill
-
     torch.manual_seed(0)
-    B, T, H, D = 1, 1024, 64, 128
-    dev = "cuda"
-    q, k, v, g = (torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
-    beta = torch.rand(B, T, H, device=dev)
-    A_log = torch.randn(H, device=dev)
-    dt_bias = torch.randn(H * D, device=dev)
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-              A_log=A_log, dt_bias=dt_bias, safe_gate=True, lower_bound=-5.0, backend="sm90")
-
-    def whole() -> None:
-        kda_prefill(q, k, v, g, beta, **kw)
+    B, T, H = 1, 1024, 64
+    whole, binding, _ = _calls(B, T, H)
 
     for _ in range(20):
         whole()
@@ -139,18 +134,6 @@ def main() -> int:
               f"{statistics.median(ev[True]):.4f}, rules on every call {statistics.median(ev[False]):.4f}",
               flush=True)
 
-    o = torch.empty_like(v)
-    fs = torch.empty(B, H, D, D, device=dev)
-    ext = _ext.get_ext()
-
-    def binding() -> None:
-        ext.kda_prefill_sm90(
-            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=None,
-            cu_seqlens=None, state_indices=None, has_initial_state=None, o=o, final_state=fs,
-            state_pool=None, scale=D ** -0.5, lower_bound=-5.0, use_gate_in_kernel=True,
-            use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=False, state_v_first=False,
-            general_gates=False)
-
     try:
         binding()
         print(f"binding alone (extension call, prepared arguments): {_median_us(binding):.1f} us",
@@ -161,7 +144,9 @@ def main() -> int:
     for shape in args.also:
         print(_shape_times(*(int(x) for x in shape.split("x"))), flush=True)
 
-    empty = lambda: (torch.empty_like(v), torch.empty(B, H, D, D, device=dev))  # noqa: E731
+    D, dev = 128, "cuda"
+    empty = lambda: (torch.empty((B, T, H, D), dtype=torch.bfloat16, device=dev),  # noqa: E731
+                     torch.empty(B, H, D, D, device=dev))
     print(f"two torch.empty: {_median_us(empty):.1f} us", flush=True)
 
     prof = cProfile.Profile()
