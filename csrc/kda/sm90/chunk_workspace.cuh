@@ -15,7 +15,8 @@
 //     stage (kWorkspaceStageBytes, in its shared-memory layout) to the chunk's workspace slot and
 //     then sets the chunk's flag.
 // Progress: helpers never wait on another CTA, and a claimed chunk is always being worked on (a
-// helper claims only with a stage free for it), but an owner waits for each chunk until some
+// helper claims only with a stage's head free for it; its tail then waits only on this CTA's own
+// intra-chunk warpgroup), but an owner waits for each chunk until some
 // helper claims and publishes it, so at least one helper must be resident while owners spin.
 // That holds when the process has the GPU's SMs (one CTA per SM, owners <= 0.4 x SMs); under an
 // SM limit that leaves no room beside the owners (MPS thread percentage, green contexts) the
@@ -138,18 +139,22 @@ __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int p
   }
 }
 
-// Helper producer (one warp). Starts on unit (helper index mod units), or, a CTA of the owner
+// Helper producer (one warp per intra-chunk warpgroup, on that warpgroup's stages: `which`, then
+// every kp.coop.helper_intra-th stage of the ring, so that a warp waiting for one stage's tail
+// never holds back the other stage's head). Starts on unit (helper index mod units), or, a CTA of the owner
 // region that helps, on its own tile: an exact round robin, so equal tiles start with equal help
 // (a first draw in proportion spreads 100 helpers over 32 equal tiles 2 to 5 per tile, where the
 // round robin gives 3 or 4; measured 2-6 % slower on such rows, docs/perf-notes.md). When its
 // unit has no chunk left it takes the unit pick_helper_unit draws. A chunk is claimed only once a
-// stage is free for it (claiming ahead, with an L2 prefetch of its boxes, measured no faster and
-// 7 % slower at B1 T8192 H16: docs/perf-notes.md).
-__device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem) {
+// stage's head is free for it (claiming a whole stage ahead, with an L2 prefetch of its boxes,
+// measured no faster and 7 % slower at B1 T8192 H16: docs/perf-notes.md).
+__device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem, int which = 0) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
   const int G = kp.coop.segments;
+  const int step = kp.coop.helper_intra;
   PipelineState pipe;
+  pipe.advance(which);
   if (lane == 0) {  // the mode runs only with tokens, so the descriptors exist
     cute::prefetch_tma_descriptor(&kp.tma_q);
     cute::prefetch_tma_descriptor(&kp.tma_k);
@@ -160,20 +165,39 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
   int u = b >= kp.coop.owners ? (b - kp.coop.owners) % (kp.coop.tiles_per_owner > 1 ? kp.coop.owners : num_units(kp))
           : G > 1             ? b / (4 * G) * G + (b % (4 * G)) / 4
                               : b / kp.coop.value_split;
-  for (int pick = 0; u >= 0; u = pick_helper_unit(kp, pick++)) {
+  // The warps' draws interleave (pick_helper_unit's sequence), so they spread over the units too.
+  for (int pick = which; u >= 0; u = pick_helper_unit(kp, pick), pick += step) {
     const WorkTile tile = unit_tile(kp, u);
     const int64_t first = first_chunk_slot(tile);
     const ChunkRange range = segment_chunks(G, tile.num_chunks(), u % G);
-    for (;; pipe.advance()) {
+    for (;; pipe.advance(step)) {
       StageStorage& st = smem.stage[pipe.stage];
-      cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+      uint64_t* full = &smem.full_bar[pipe.stage];
+      // The stage in two halves (SharedStorage::head_ready_bar): once the storer has copied the
+      // head of the stage's last chunk (QG, KT', A_qk), claim the next chunk and load its q and g
+      // while that chunk's inverse and W / U products still run; its k and v, beta and the stage's
+      // metadata follow once the tail (W, U, r_block, beta, A_qk's diagonal) is copied too.
+      cutlass::arch::ClusterBarrier::wait(&smem.head_empty_bar[pipe.stage], pipe.phase ^ 1u);
       int c = 0;
       if (lane == 0) c = range.begin + atomicAdd(claim_counter(kp, u), 1);
       c = __shfl_sync(0xffffffffu, c, 0);
-      if (c >= range.end) break;  // this stage stays free (its phase is done) for the next unit's chunk
+      if (c >= range.end) break;  // this stage stays free (its phases are done) for the next unit's chunk
       const int rows = tile.chunk_rows(c);
       const int64_t token = tile.token0 + int64_t(c) * kChunk;
-      store_beta(st, read_beta(p, tile.v_head, token, rows, lane), lane);
+      if (lane == 0) {
+        // The previous phase of `full` completed before the head was released (the intra-chunk
+        // warpgroup waited for it), so these bytes count toward the next one, which also needs
+        // the 32 arrivals below.
+        cutlass::arch::ClusterTransactionBarrier::expect_transaction(full, 2 * kTileBytes);
+        tma_load_tile(&kp.tma_q, full, st.q, tile.qk_head, token);
+        tma_load_tile(&kp.tma_g, full, st.g, tile.v_head, token);
+      }
+      const float2 beta = read_beta(p, tile.v_head, token, rows, lane);  // its latency under the wait
+      cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+      // (beta is in registers already: keep the compiler from hoisting its stores above the wait,
+      // whose asm has no "memory" clobber.)
+      asm volatile("" ::: "memory");
+      store_beta(st, beta, lane);
       if (lane == 0) {
         st.rows = rows;
         st.ws_slot = int(first + c);
@@ -181,35 +205,61 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
       }
       // The storer's bulk copy (async proxy) reads beta: order these generic stores before it.
       fence_smem_to_async_proxy();
-      issue_stage_loads(kp, smem.full_bar[pipe.stage], st, tile, token, lane);
+      if (lane == 0) {
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, 2 * kTileBytes);
+        tma_load_tile(&kp.tma_k, full, st.k, tile.qk_head, token);
+        tma_load_tile(&kp.tma_v, full, st.v, tile.v_head, token);
+      } else {
+        cutlass::arch::ClusterBarrier::arrive(full);
+      }
+      __syncwarp();
     }
   }
-  // No chunk left: an end mark (rows = -1) in the next stage of each intra warpgroup (the first
-  // also stops the storer, which reads the stages in ring order). The second mark's stage is
-  // free once the storer took the chunk before the first mark.
-  for (int w = 0; w < kp.coop.helper_intra; ++w, pipe.advance()) {
-    StageStorage& st = smem.stage[pipe.stage];
-    cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
-    if (lane == 0) st.rows = -1;
-    cutlass::arch::ClusterBarrier::arrive(&smem.full_bar[pipe.stage]);
-  }
+  // No chunk left: an end mark (rows = -1) in this warp's next stage, for its intra-chunk
+  // warpgroup and storer thread.
+  StageStorage& st = smem.stage[pipe.stage];
+  cutlass::arch::ClusterBarrier::wait(&smem.head_empty_bar[pipe.stage], pipe.phase ^ 1u);
+  cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
+  if (lane == 0) st.rows = -1;
+  cutlass::arch::ClusterBarrier::arrive(&smem.full_bar[pipe.stage]);
 }
 
-// Helper storer (one thread of warpgroup 3 in the helpers' kernel, of warpgroup 2 in the one-kernel
-// form): each stage an intra-chunk warpgroup finished goes to its workspace slot as one bulk copy.
-// The owner reads the slot once the flag is set, so the copy must have landed first: wait for the
-// writes, order them (async proxy) before the flag (generic), and set the flag with release
-// semantics. The stage goes back to the producer as soon as the copy has read it
+// Helper storer (one thread per intra-chunk warpgroup, on that warpgroup's stages: `which`, then
+// every kp.coop.helper_intra-th stage of the ring; of warpgroup 3 in the helpers' kernel, of
+// warpgroup 2 in the one-kernel form): each finished stage goes to its workspace slot in two parts
+// with the byte layout of the stage (so the owners read it back as one bulk copy). The head (q and
+// g slots, A_qk) is final after step 6 (SharedStorage::head_ready_bar) and goes back to the
+// producer as soon as its copies have read it; the tail (k and v slots, r_block, beta, A_qk's
+// diagonal) after step 8. The owner reads the slot once the flag is set, so both parts must have
+// landed first: wait for the writes, order them (async proxy) before the flag (generic), and set
+// the flag with release semantics. The tail goes back to the producer once read
 // (kp.coop.early_release; `wait_group.read`), before the writes land; otherwise after the flag.
-__device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, SharedStorage& smem) {
+__device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, SharedStorage& smem, int which = 0) {
   const bool early = kp.coop.early_release;
+  const int step = kp.coop.helper_intra;
+  constexpr int kTailOffset = int(offsetof(StageStorage, r_block));
+  static_assert(offsetof(StageStorage, q) == 0 && offsetof(StageStorage, aqk) == 4 * kTileBytes &&
+                    kTailOffset == offsetof(StageStorage, aqk) + kChunk * kChunk * 2 && kTailOffset % 16 == 0,
+                "the stage's parts as the workspace copies them");
   PipelineState pipe;
-  for (;; pipe.advance()) {
+  pipe.advance(which);
+  for (;; pipe.advance(step)) {
     StageStorage& st = smem.stage[pipe.stage];
-    cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
+    cutlass::arch::ClusterBarrier::wait(&smem.head_ready_bar[pipe.stage], pipe.phase);
     if (st.rows < 0) break;
     const int v_head = st.ws_head, slot = st.ws_slot;
-    cute::SM90_BULK_COPY_S2G::copy(&st, workspace_stage(kp, v_head, slot), kWorkspaceStageBytes);
+    uint8_t* dst = reinterpret_cast<uint8_t*>(workspace_stage(kp, v_head, slot));
+    uint8_t* src = reinterpret_cast<uint8_t*>(&st);
+    cute::SM90_BULK_COPY_S2G::copy(st.q, dst + offsetof(StageStorage, q), kTileBytes);
+    cute::SM90_BULK_COPY_S2G::copy(st.g, dst + offsetof(StageStorage, g), kTileBytes);
+    cute::SM90_BULK_COPY_S2G::copy(st.aqk, dst + offsetof(StageStorage, aqk), kChunk * kChunk * 2);
+    cute::tma_store_arrive();
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    cutlass::arch::ClusterBarrier::arrive(&smem.head_empty_bar[pipe.stage]);
+    cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
+    cute::SM90_BULK_COPY_S2G::copy(st.k, dst + offsetof(StageStorage, k), kTileBytes);
+    cute::SM90_BULK_COPY_S2G::copy(st.v, dst + offsetof(StageStorage, v), kTileBytes);
+    cute::SM90_BULK_COPY_S2G::copy(src + kTailOffset, dst + kTailOffset, kWorkspaceStageBytes - kTailOffset);
     cute::tma_store_arrive();
     if (early) {
       asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");

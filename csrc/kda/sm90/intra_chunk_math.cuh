@@ -721,7 +721,8 @@ template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool
           bool kPrepped = false, bool kAqkHalf = false, bool kFoldM = false, bool kHelperHalfInverse = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer,
-                                            uint64_t* m_tile_empty = nullptr, uint32_t m_tile_phase = 0) {
+                                            uint64_t* m_tile_empty = nullptr, uint32_t m_tile_phase = 0,
+                                            uint64_t* head_ready = nullptr) {
   // Steps 1-3 of the warpgroup's own prep write the scratch before the wait for the M tile.
   static_assert(!kFoldM || kPrepped, "the folded M tile needs the prep done ahead");
   const int warp = tid >> 5, lane = tid & 31;
@@ -889,6 +890,16 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
         }
       }
     }
+    if constexpr (kFoldDecay) {
+      // Cooperative helpers: the stage's head (QG, KT', A_qk) is final; the storer copies it out
+      // while the inverse runs, and the producer then loads the next chunk's q and g over it
+      // (SharedStorage::head_ready_bar). Nothing below reads the q or g slot or A_qk.
+      // (cutlass's fence and arrive asm have no "memory" clobber: keep the compiler from moving
+      // step 6's stores past them.)
+      asm volatile("" ::: "memory");
+      fence_smem_to_async_proxy();
+      cutlass::arch::ClusterBarrier::arrive(head_ready);
+    }
     timer.mark(4);
     // Step 7: M = (I + A)^-1 (unit_lower_inverse.cuh), all products on the tensor cores. Its first
     // proxy fence and barrier also publish QG/KG to the W/U products below (cooperative helpers;
@@ -1042,10 +1053,13 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
         }
         timer.mark(0);
         intra_chunk<kGateInKernel, kL2Norm, kDecays, /*kFoldDecay=*/true, /*kPrepped=*/false, coop_aqk_is_half(kL2Norm),
-                    /*kFoldM=*/false, kHelperHalfInverse>(p, ws, st, rows, gate_scale, gate_bias, tid, timer);
+                    /*kFoldM=*/false, kHelperHalfInverse>(p, ws, st, rows, gate_scale, gate_bias, tid, timer, nullptr, 0,
+                                                          &smem.head_ready_bar[pipe.stage]);
         fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
+      } else {
+        cutlass::arch::ClusterBarrier::arrive(&smem.head_ready_bar[pipe.stage]);  // the end mark, to the storer
       }
-      cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer (also the end mark)
+      cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer
       if (rows < 0) break;
       timer.mark(6);
       for (int s = 0; s < step; ++s) pipe.advance();

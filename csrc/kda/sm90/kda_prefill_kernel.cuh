@@ -106,6 +106,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       // Released by both state warpgroups, in a cooperative helper by the storer thread, in an
       // owner of half a tile (value split) by its one state warpgroup.
       cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : (kCoop && coop_role.half >= 0) ? 128 : 256);
+      if (helper) {
+        cutlass::arch::ClusterBarrier::init(&smem.head_ready_bar[s], 128);  // the intra-chunk warpgroup
+        cutlass::arch::ClusterBarrier::init(&smem.head_empty_bar[s], 1);    // the storer thread
+      }
     }
     // Fused kernels: both state warpgroups' threads release the M tile (state_math.cuh).
     if constexpr (fold_m(kPrepAhead)) cutlass::arch::ClusterBarrier::init(&smem.m_tile_empty_bar, 2 * 128);
@@ -129,17 +133,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
   }
 
   if constexpr (kHelpers) {
-    // The helpers' kernel: the producer warp claims chunks; warpgroups 1 and 2 (kp.coop.helper_intra
-    // of them) run the intra-chunk work, each on every other stage of the ring, the second in the
-    // state warpgroups' shared memory (a helper has no state work); one thread of warpgroup 3
-    // stores the finished stages. Both intra warpgroups enter the one call site below with the
+    // The helpers' kernel: warpgroups 1 and 2 (kp.coop.helper_intra of them) run the intra-chunk
+    // work, each on every other stage of the ring, the second in the state warpgroups' shared
+    // memory (a helper has no state work); per intra-chunk warpgroup, one producer warp claims
+    // and loads its stage's chunks and one thread of warpgroup 3 stores them. Both intra warpgroups enter the one call site below with the
     // same thread-index expression (run_intra_chunk).
     if (role == WarpgroupRole::kProducer) {
       cutlass::arch::warpgroup_reg_dealloc<kHelperProducerRegs>();
-      if (threadIdx.x < 32) run_chunk_claim_producer(kp, smem);
+      if (threadIdx.x / 32 < kp.coop.helper_intra) run_chunk_claim_producer(kp, smem, threadIdx.x / 32);
     } else if (role == WarpgroupRole::kState1) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-      if (threadIdx.x == first_thread(WarpgroupRole::kState1)) run_workspace_storer(kp, smem);
+      // One storer thread per intra-chunk warpgroup (each on its own stage, in its own warp), so
+      // that one stage's head is copied out while the other stage waits for its tail.
+      const int which = (threadIdx.x - first_thread(WarpgroupRole::kState1)) / 32;
+      if (threadIdx.x % 32 == 0 && which < kp.coop.helper_intra) run_workspace_storer(kp, smem, which);
     } else {
       const int which = int(role) - int(WarpgroupRole::kIntra);  // 0 or 1
       if (which < kp.coop.helper_intra) {

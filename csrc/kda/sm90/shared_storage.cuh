@@ -128,6 +128,11 @@ struct alignas(1024) SharedStorage {
   uint64_t prepped_bar[kStages];  // prep ahead: state (steps 1-3 of the stage's chunk) -> intra
   uint64_t ready_bar[kStages];  // intra -> state
   uint64_t empty_bar[kStages];  // state -> producer
+  // Cooperative helpers (chunk_workspace.cuh): the stage in two halves. The head (QG in the q slot,
+  // KT' in the g slot, A_qk) is final after step 6; the storer copies it while the intra-chunk
+  // warpgroup inverts, and the producer loads the next chunk's q and g into the freed slots.
+  uint64_t head_ready_bar[kStages];  // intra (after step 6) -> storer
+  uint64_t head_empty_bar[kStages];  // storer (head copied out) -> producer
   // Fused kernels: the state warpgroups have read the M tile (kMTileOffset) of the intra-chunk
   // warpgroup's last chunk, which may write its scratch again (state -> intra).
   uint64_t m_tile_empty_bar;

@@ -298,6 +298,9 @@ struct PipelineState {
       phase ^= 1u;
     }
   }
+  __device__ void advance(int n) {
+    for (int i = 0; i < n; ++i) advance();
+  }
 };
 
 }  // namespace cula::kda::sm90
