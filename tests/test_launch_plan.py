@@ -89,13 +89,23 @@ def test_tiles_per_owner_up_to_the_sm_count():
     assert launch(1, 4096, 64) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 53) == "cooperative-two-kernels-2-tiles-per-owner"
     # Between 0.4 x and 1 x the SMs the fused kernel where the fits of its and the mode's measured
-    # times say so (cooperative_beats_fused; H100 sweeps at 2390860's kernels): B1 T1024 H64 (a tie:
-    # fused 0.194 / 0.185 vs cooperative 0.191 / 0.202 ms in two sweeps) and 80-120 tiles (B1 T8192
-    # H80: 1.061 vs 1.123, H96: 1.075 vs 1.289, B2 T8192 H40: 1.033 vs 1.094, B1 T1024 H96 and H112,
-    # B1 T2048 H120); the cooperative mode up to 71 tiles of long sequences (B1 T8192 H68: 0.922 vs
-    # fused 1.024, H71: 0.992 vs 1.017, B1 T16384 H70: 1.844 vs 1.980) and from T2048 at H64 (0.290
-    # vs 0.314) and H58 (0.272 vs 0.306).
-    assert launch(1, 1024, 64) == "index"
+    # times say so (cooperative_beats_fused; H100 sweeps at 2390860's kernels, the helpers' time
+    # re-measured at 4062d69's): 80-120 tiles (B1 T8192 H80: 1.061 vs 1.123, H96: 1.075 vs 1.289,
+    # B2 T8192 H40: 1.033 vs 1.094, B1 T1024 H96 and H112, B1 T2048 H120), B1 T1024 H72 (0.216 vs
+    # 0.224) and B1 T16384 H75 (1.969 vs 2.014); the cooperative mode up to 74 tiles of long
+    # sequences (B1 T8192 H68: 0.922 vs fused 1.024, H71: 0.980 vs 1.072, H74: 0.937 vs 1.013, B1
+    # T16384 H70: 1.844 vs 1.980, B1 T4096 H72: 0.505 vs 0.547, B2 T8192 H37: 0.941 vs 1.027), from
+    # T2048 at H64 (0.311 vs 0.339), H58 (0.272 vs 0.306) and H70 (0.306 vs 0.314), and at T1024 up
+    # to 64 tiles (B1 T1024 H64: 0.202 vs 0.205, 0.200 vs 0.210 and 0.228 vs 0.232 ms in three
+    # sweeps; B2 T1024 H32: 0.174 vs 0.183).
+    assert launch(1, 1024, 64) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(2, 1024, 32) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 1024, 72) == "index"
+    assert launch(1, 2048, 70) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 4096, 72) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 8192, 74) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(2, 8192, 37) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 16384, 75) == "index"
     assert launch(1, 2048, 64) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 2048, 58) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 68) == "cooperative-two-kernels-2-tiles-per-owner"
@@ -115,6 +125,11 @@ def test_tiles_per_owner_up_to_the_sm_count():
     # The general gates' fused kernel is ~30 % slower per chunk, so the mode reaches further there
     # (B1 T2048 H64 softplus: cooperative 0.342 vs fused 0.389 ms), with 3 tiles per owner at 80.
     assert launch(1, 2048, 64, general=True) == "cooperative-two-kernels-2-tiles-per-owner"
+    # ... and with the faster helpers of 4062d69 (softplus, cooperative vs fused, ms: B1 T1024 H60
+    # 0.191 vs 0.229, B1 T2048 H72 0.384 vs 0.448, B1 T4096 H86 0.742 vs 0.794)
+    assert launch(1, 1024, 60, general=True) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 2048, 72, general=True) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 4096, 86, general=True) == "cooperative-two-kernels-3-tiles-per-owner"
     assert launch(2, 8192, 40, general=True) == "cooperative-two-kernels-3-tiles-per-owner"
     assert launch(1, 8192, 96, general=True) == "index"
     assert launch(1, 1024, 96, general=True) == "index"

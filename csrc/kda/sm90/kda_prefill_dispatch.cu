@@ -127,27 +127,43 @@ int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, 
 // mean chunks per tile C (exact for fixed-length batches): k tiles per owner take k x C x 2.6 us of
 // one-owner chain, and all chunks take 10 us each on SMs - ceil(tiles / k) helpers (two
 // intra-chunk warpgroups per helper; both constants measured on an H100, docs/perf-notes.md). The
-// launch takes the longer of the two. Returns the best k in 1..4 and its time. (The helpers' kernel
-// is ~7 % faster since its fp16 inverse, but 10 us still picks k right: 9.3 would move 47-48 tiles
-// to one tile per owner, which measured 5-7 % slower on all five shapes swept, B1 T2048-T16384
-// H47-48 and B2 T8192 H24; docs/perf-notes.md, "Where it stands (e4c2de5)".)
+// launch takes the longer of the two. Returns the best k in 1..4 and its time.
+//
+// Two helper constants, both from H100 sweeps (docs/perf-notes.md, "Where it stands (4062d69)"):
+// k is chosen with 10 us per chunk, and the time that the fused-vs-cooperative rule compares
+// (coop_us) takes 9.3 us at that k. Since the helpers' stage split (4062d69) the helpers are
+// ~7 % faster, and with 10 us the rule ran 2.5-8 % slower fused launches on 5 of 16 swept shapes
+// at 64-74 tiles with 2 tiles per owner (B1 T2048 H70, B1 T4096 H72, B1 T8192 H74, B2 T1024 H32,
+// B2 T8192 H37; softplus B1 T1024 H60, T2048 H72, T4096 H86: 6-17 %); 9.3 picks all of them right.
+// For k itself 9.3 would be worse: one tile per owner at 47-48 tiles measured 7 % slower on short
+// tiles (B1 T1024 H48, T2048 H47) and only 1-3 % faster on long ones, and the softplus gate's
+// helpers (slower) keep 2 per owner there (11-14 % faster) and 3 at 76 tiles (2-4 %).
+constexpr double kHelperUsPerChunkForK = 10.0;
+constexpr double kHelperUsPerChunk = 9.3;
 struct OwnerChoice {
   int tiles_per_owner = 1;
-  double us = 0;      // the model's time with tiles_per_owner
-  double one_us = 0;  // and with one tile per owner
+  double us = 0;       // the model's time with tiles_per_owner (kHelperUsPerChunkForK)
+  double one_us = 0;   // and with one tile per owner
+  double coop_us = 0;  // with tiles_per_owner and kHelperUsPerChunk: what cooperative_beats_fused takes
 };
+double owner_model_us(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count, int k,
+                      double helper_us_per_chunk) {
+  const int64_t helpers = int64_t(sm_count) - (tiles + k - 1) / k;
+  return std::max(2.6 * double(k * chunks_per_tile), helper_us_per_chunk * double(all_chunks) / double(helpers));
+}
 OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count) {
   OwnerChoice best;
   for (int k = 1; k <= 4; ++k) {
-    const int64_t helpers = int64_t(sm_count) - (tiles + k - 1) / k;
-    if (helpers < 1) continue;
-    const double us = std::max(2.6 * double(k * chunks_per_tile), 10.0 * double(all_chunks) / double(helpers));
+    if (int64_t(sm_count) - (tiles + k - 1) / k < 1) continue;  // no helper left
+    const double us = owner_model_us(tiles, chunks_per_tile, all_chunks, sm_count, k, kHelperUsPerChunkForK);
     if (k == 1) best.one_us = us;
     if (k == 1 || us < best.us) {
       best.tiles_per_owner = k;
       best.us = us;
     }
   }
+  if (int64_t(sm_count) - tiles >= 1)
+    best.coop_us = owner_model_us(tiles, chunks_per_tile, all_chunks, sm_count, best.tiles_per_owner, kHelperUsPerChunk);
   return best;
 }
 
@@ -156,11 +172,13 @@ OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64
 // 16 to 256 chunks, at 2390860's kernels; docs/perf-notes.md): the fused kernel (one wave) 7.52 us
 // per chunk of a tile + 75, the cooperative mode 0.966 x the tiles-per-owner model
 // (choose_tiles_per_owner) + 95.5; both within ~6 % on every swept shape. The cooperative mode runs
-// where its estimate is 2 % below the fused one (the fused kernel keeps the ties: B1 T1024 H64,
-// measured 0.194 / 0.191 ms in one sweep and 0.185 / 0.202 in another): cooperative for B1
-// T2048-T8192 H64, B1 T8192 H53-H71, B1 T16384 H70; fused for B1 T1024 H64, 80-112 tiles of T8192
-// and 96-112 tiles of T1024-T4096. General gates keep e94f895's fits (fused 10.0 us per chunk + 67,
-// cooperative 1.04 x (1.08 x the model + 120)), not re-measured since.
+// where its estimate is 2 % below the fused one. Since 4062d69 the model's time here takes the
+// faster helpers (OwnerChoice::coop_us, 9.3 us per chunk; the fits unchanged): cooperative for B1
+// T1024-T8192 H64 (B1 T1024 H64, a tie before, measured 1.5-5 % faster cooperative in three
+// sweeps), B1 T8192 H53-H74, B1 T4096 H72, B2 T8192 H37; fused for 80-112 tiles of T8192, 96-112 tiles
+// of T1024-T4096 and B1 T16384 H75 (3 tiles per owner: 2 % faster fused). General gates keep
+// e94f895's fits (fused 10.0 us per chunk + 67, cooperative 1.04 x (1.08 x the model + 120)) with
+// the same faster model (softplus B1 T1024 H60, T2048 H72, T4096 H86: cooperative 6-17 % faster).
 bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, bool general_gates) {
   const double c = double(chunks_per_tile);
   if (general_gates) return 1.04 * (1.08 * owner_model_us + 120.0) < 10.0 * c + 67.0;
@@ -177,7 +195,7 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   // count where the model above says the mode's call is the shorter one (cooperative_beats_fused).
   const OwnerChoice owner_choice = choose_tiles_per_owner(num_tiles, chunks_per_tile, all_chunks, sm_count);
   const bool coop_by_model =
-      num_tiles < sm_count && cooperative_beats_fused(owner_choice.us, chunks_per_tile, p.general_gates);
+      num_tiles < sm_count && cooperative_beats_fused(owner_choice.coop_us, chunks_per_tile, p.general_gates);
   bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
   if (env_is("CULA_KDA_COOPERATIVE", "0")) coop = false;
   if (env_is("CULA_KDA_COOPERATIVE", "1")) coop = true;
