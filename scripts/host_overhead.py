@@ -8,13 +8,14 @@ most) it times, with ``time.perf_counter`` around each of 300 calls and no synch
 between (the kernel takes ~0.2 ms, so the launch queue never blocks and the wall time of a call is
 its host time):
 
-* the whole call;
+* the whole call (the default: the extension's eager fast path for a remembered signature);
+* the same through the Python path ("memo": the fast path off, the remembered argument rules)
+  and with the rules run on every call ("rules": ``cula.kda.prefill._signature`` returning
+  None), where the module has them;
+* the eager time as the benchmark takes it (synchronise, event, call, event) in each of these
+  modes, interleaved call by call;
 * the binding alone: the extension's ``kda_prefill_sm90`` with the same, already prepared
   arguments (its argument checks, the TMA descriptors, the launch);
-* the same with the argument rules run on every call (``cula.kda.prefill._VALIDATED`` not
-  consulted), if the module has it;
-* the eager time as the benchmark takes it (synchronise, event, call, event), with and without
-  the remembered validation, interleaved call by call;
 
 then prints the ten most expensive functions of a cProfile of 300 whole calls. ``--also BxTxH``
 adds the whole call and the binding alone for more shapes (e.g. the cooperative launches: their
@@ -84,8 +85,16 @@ def _shape_times(B: int, T: int, H: int) -> str:
     launch = ext.kda_prefill_sm90_launch_name(
         batch=B, seqlen=T, num_seqs=B, num_qk_heads=H, num_v_heads=H, varlen=False,
         general_gates=False, sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
-    return (f"B{B} T{T} H{H} ({launch}): whole call {_median_us(whole, 60):.1f} us, binding alone "
-            f"{_median_us(binding, 60):.1f} us")
+    from cula.kda import prefill as prefill_mod
+
+    fast_ext = getattr(prefill_mod, "_fast_ext", None)
+    python_path = ""
+    if fast_ext is not None:
+        prefill_mod._fast_ext = lambda: None
+        python_path = f", Python path {_median_us(whole, 60):.1f} us"
+        prefill_mod._fast_ext = fast_ext
+    return (f"B{B} T{T} H{H} ({launch}): whole call {_median_us(whole, 60):.1f} us{python_path}, "
+            f"binding alone {_median_us(binding, 60):.1f} us")
 
 
 def main() -> int:
@@ -109,30 +118,36 @@ def main() -> int:
     from cula.kda import prefill as prefill_mod
 
     signature = getattr(prefill_mod, "_signature", None)
+    fast_ext = getattr(prefill_mod, "_fast_ext", None)
 
-    def set_memo(on: bool) -> None:
+    def set_mode(mode: str) -> None:
+        """"fast": the default (the extension's fast path, then the remembered rules); "memo":
+        the Python path with the remembered rules; "rules": the Python path, rules every call."""
+        if fast_ext is not None:
+            prefill_mod._fast_ext = fast_ext if mode == "fast" else (lambda: None)
         if signature is not None:
-            prefill_mod._signature = signature if on else (lambda *a, **kw: None)
+            prefill_mod._signature = (lambda *a, **kw: None) if mode == "rules" else signature
 
-    if signature is not None:
-        set_memo(False)
-        print(f"whole call, rules on every call: {_median_us(whole):.1f} us", flush=True)
-        set_memo(True)
-        ev = {on: [] for on in (True, False)}
-        for i in range(400):
-            on = i % 2 == 0
-            set_memo(on)
+    modes = [m for m, have in (("fast", fast_ext), ("memo", signature), ("rules", signature)) if have is not None]
+    for mode in modes[1:]:
+        set_mode(mode)
+        print(f"whole call, {mode}: {_median_us(whole):.1f} us", flush=True)
+    set_mode("fast")
+    if len(modes) > 1:
+        ev: dict[str, list[float]] = {m: [] for m in modes}
+        for i in range(200 * len(modes)):
+            mode = modes[i % len(modes)]
+            set_mode(mode)
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             whole()
             end.record()
             torch.cuda.synchronize()
-            ev[on].append(start.elapsed_time(end))
-        set_memo(True)
-        print(f"eager ms (bench method, 200 calls each, interleaved): validation remembered "
-              f"{statistics.median(ev[True]):.4f}, rules on every call {statistics.median(ev[False]):.4f}",
-              flush=True)
+            ev[mode].append(start.elapsed_time(end))
+        set_mode("fast")
+        print("eager ms (bench method, 200 calls each, interleaved): "
+              + ", ".join(f"{m} {statistics.median(ev[m]):.4f}" for m in modes), flush=True)
 
     try:
         binding()

@@ -17,12 +17,17 @@
 // predicates below; the assertions after them are the kernel's invariants.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -301,6 +306,213 @@ void kda_prefill_sm90(const at::Tensor& q_in, const at::Tensor& k_in, const at::
   if (final_state.has_value() && !final_state->is_same(*final_state_out)) final_state_out->copy_(*final_state);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The eager fast path (cula.kda.prefill.kda_prefill): a call whose signature passed the Python
+// rules and chose the sm90 kernel before runs from here without the Python layers.
+//
+// cula.kda.prefill remembers the result of its argument rules per call signature (_VALIDATED:
+// each tensor argument's shape, dtype and device, a state pool's strides and alignment, each
+// option's type and value). On the GPU machine's CPU those layers cost ~20-50 us per eager call,
+// which the benchmark's eager time (one call from an idle GPU) pays in full before the first
+// launch. kda_prefill_fast computes the same signature here, from the public function's 23
+// arguments in their order, and when it was registered (kda_prefill_fast_register, after the
+// Python path accepted it and chose sm90) does what kda_prefill does after its rules: allocates o
+// and the final state, runs kda_prefill_sm90 and bumps the version counters of the caller's
+// buffers; otherwise it returns None and the Python path runs. The Python side calls it only in
+// plain eager mode (no compiler, dispatch or torch-function mode, tracer or functorch transform)
+// and clears this memo whenever it clears _VALIDATED, so a hit here is always a call the Python
+// memo would have let through. Everything runs under the GIL (pybind holds it), so the memo needs
+// no lock.
+// ---------------------------------------------------------------------------------------------
+
+// The arguments of cula.kda.kda_prefill, in its order.
+enum Arg : int {
+  kQ, kK, kV, kG, kBeta, kScale, kInitialState, kOutputFinalState, kCuSeqlens, kL2Norm, kGateInKernel,
+  kALog, kDtBias, kSafeGate, kLowerBound, kStateLayout, kBackend, kStateIndices, kHasInitialState, kOut,
+  kFinalState, kBetaSigmoid, kCheckInputs, kNumArgs
+};
+// The tensor arguments and the options of the Python signature (_signature), in its order.
+constexpr Arg kTensorArgs[] = {kQ, kK, kV, kG, kBeta, kCuSeqlens, kInitialState, kALog, kStateIndices,
+                               kDtBias, kHasInitialState, kOut, kFinalState};
+constexpr Arg kOptionArgs[] = {kScale, kOutputFinalState, kL2Norm, kGateInKernel, kSafeGate, kLowerBound,
+                               kStateLayout, kBackend, kBetaSigmoid, kCheckInputs};
+
+struct FastPlan {
+  double scale = 0;
+  std::optional<double> lower_bound;
+  int64_t num_seqs = 0;
+  at::ScalarType state_dtype = at::kFloat;
+  bool bounded_decays = false;
+};
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& key) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t x : key) h = (h ^ uint64_t(x)) * 1099511628211ull;
+    return size_t(h);
+  }
+};
+std::unordered_map<std::vector<int64_t>, FastPlan, KeyHash>& fast_memo() {
+  static auto* memo = new std::unordered_map<std::vector<int64_t>, FastPlan, KeyHash>();
+  return *memo;
+}
+
+// torch.Tensor or torch.nn.Parameter exactly (the Python memo's tensor types): no subclass.
+bool plain_tensor(PyObject* obj) {
+  static PyObject* parameter = py::object(py::module_::import("torch.nn").attr("Parameter")).release().ptr();
+  return THPVariable_CheckExact(obj) || Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(parameter);
+}
+
+// The signature of a call, as _signature in cula/kda/prefill.py builds it, or false where that
+// returns None (a tensor or option of another type, q..beta missing, index values checked).
+bool fast_key(const py::args& a, std::vector<int64_t>& key) {
+  key.clear();
+  key.reserve(96);
+  for (Arg i : kTensorArgs) {
+    PyObject* obj = a[i].ptr();
+    if (obj == Py_None) {
+      if (i <= kBeta) return false;
+      key.push_back(-1);
+      continue;
+    }
+    if (!plain_tensor(obj)) return false;
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    key.push_back(t.dim());
+    for (int64_t d : t.sizes()) key.push_back(d);
+    key.push_back(int64_t(t.scalar_type()));
+    key.push_back(int64_t(t.device().type()) * 1024 + t.device().index());
+  }
+  // Options: exactly bool, int, float, str or None, with their type (True == 1 hash alike).
+  for (Arg i : kOptionArgs) {
+    PyObject* obj = a[i].ptr();
+    if (obj == Py_None) {
+      key.push_back(0);
+    } else if (PyBool_Check(obj)) {
+      key.push_back(obj == Py_True ? 2 : 1);
+    } else if (PyLong_CheckExact(obj)) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+      if (overflow != 0) return false;
+      key.push_back(3);
+      key.push_back(v);
+    } else if (PyFloat_CheckExact(obj)) {
+      const double v = PyFloat_AS_DOUBLE(obj);
+      int64_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      key.push_back(4);
+      key.push_back(bits);
+    } else if (PyUnicode_CheckExact(obj)) {
+      Py_ssize_t n = 0;
+      const char* text = PyUnicode_AsUTF8AndSize(obj, &n);
+      if (text == nullptr) {
+        PyErr_Clear();
+        return false;
+      }
+      key.push_back(5);
+      key.push_back(n);
+      for (Py_ssize_t j = 0; j < n; ++j) key.push_back(text[j]);
+    } else {
+      return false;
+    }
+  }
+  // Calls whose rules read index values (cu_seqlens / state_indices checked on the host:
+  // _check_index_values) are never remembered; a state pool's strides and alignment are read.
+  if (a[kCuSeqlens].ptr() != Py_None || a[kStateIndices].ptr() != Py_None) {
+    PyObject* check = a[kCheckInputs].ptr();
+    bool checked;
+    if (check != Py_None) {
+      checked = PyObject_IsTrue(check) == 1;
+    } else {
+      const char* env = std::getenv("CULA_CHECK_CU_SEQLENS");
+      checked = THPVariable_Unpack(a[kQ].ptr()).device().is_cpu() || (env != nullptr && std::strcmp(env, "1") == 0);
+    }
+    if (checked) return false;
+    if (a[kStateIndices].ptr() != Py_None && a[kInitialState].ptr() != Py_None) {
+      const at::Tensor& pool = THPVariable_Unpack(a[kInitialState].ptr());
+      key.push_back(-2);
+      for (int64_t s : pool.strides()) key.push_back(s);
+      key.push_back(int64_t(reinterpret_cast<uintptr_t>(pool.data_ptr()) % 16));
+    }
+  }
+  return true;
+}
+
+std::optional<at::Tensor> optional_tensor(const py::handle& h) {
+  if (h.ptr() == Py_None) return std::nullopt;
+  return THPVariable_Unpack(h.ptr());
+}
+
+// The 23 arguments of kda_prefill, then what its rules resolved: the scale, the lower bound, N,
+// the dtype of a final state it allocates, whether the decays are bounded. Returns whether the
+// signature was remembered (false: one the Python memo does not remember either).
+bool kda_prefill_fast_register(const py::args& a) {
+  TORCH_CHECK(a.size() == kNumArgs + 5, "kda_prefill_fast_register: expected ", kNumArgs + 5, " arguments");
+  std::vector<int64_t> key;
+  if (!fast_key(a, key)) return false;
+  FastPlan plan;
+  plan.scale = a[kNumArgs].cast<double>();
+  if (a[kNumArgs + 1].ptr() != Py_None) plan.lower_bound = a[kNumArgs + 1].cast<double>();
+  plan.num_seqs = a[kNumArgs + 2].cast<int64_t>();
+  plan.state_dtype = a[kNumArgs + 3].cast<bool>() ? at::kBFloat16 : at::kFloat;
+  plan.bounded_decays = a[kNumArgs + 4].cast<bool>();
+  fast_memo()[std::move(key)] = plan;
+  return true;
+}
+
+void kda_prefill_fast_clear() { fast_memo().clear(); }
+
+// (o, final state) of a remembered call, or None.
+py::object kda_prefill_fast(const py::args& a) {
+  if (a.size() != kNumArgs || fast_memo().empty()) return py::none();
+  thread_local std::vector<int64_t> key;
+  if (!fast_key(a, key)) return py::none();
+  const auto hit = fast_memo().find(key);
+  if (hit == fast_memo().end()) return py::none();
+  const FastPlan plan = hit->second;
+  // Autograd would want to see a tensor that requires grad: the op path (_plain_eager).
+  if (at::GradMode::is_enabled()) {
+    for (Arg i : kTensorArgs)
+      if (a[i].ptr() != Py_None && THPVariable_Unpack(a[i].ptr()).requires_grad()) return py::none();
+  }
+  const at::Tensor& q = THPVariable_Unpack(a[kQ].ptr());
+  const at::Tensor& v = THPVariable_Unpack(a[kV].ptr());
+  const std::optional<at::Tensor> out = optional_tensor(a[kOut]), caller_final_state = optional_tensor(a[kFinalState]);
+  std::optional<at::Tensor> initial_state = optional_tensor(a[kInitialState]), dt_bias = optional_tensor(a[kDtBias]);
+  const bool output_final_state = PyObject_IsTrue(a[kOutputFinalState].ptr()) == 1;
+  const bool pooled = a[kStateIndices].ptr() != Py_None;
+  const bool state_vk = py::str(a[kStateLayout]).cast<std::string>() == "vk";
+
+  // As kda_prefill after its rules (on sm90 v's dtype is q's: o is v's contiguous sibling).
+  const at::Tensor o = out.has_value() ? *out : at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
+  std::optional<at::Tensor> final_state = caller_final_state, state_pool;
+  std::optional<at::Tensor> result_state;
+  if (pooled) {
+    if (output_final_state) {
+      state_pool = initial_state;
+      initial_state = std::nullopt;
+    }
+    result_state = state_pool;
+  } else {
+    if (output_final_state && !final_state.has_value()) {
+      const int64_t HV = v.size(2), K = q.size(3), V = v.size(3);
+      const std::vector<int64_t> shape = state_vk ? std::vector<int64_t>{plan.num_seqs, HV, V, K}
+                                                  : std::vector<int64_t>{plan.num_seqs, HV, K, V};
+      final_state = at::empty(shape, q.options().dtype(plan.state_dtype));
+    }
+    result_state = final_state;
+  }
+  if (dt_bias.has_value() && dt_bias->dim() != 1) dt_bias = dt_bias->reshape(-1);
+  kda_prefill_sm90(q, THPVariable_Unpack(a[kK].ptr()), v, THPVariable_Unpack(a[kG].ptr()),
+                   THPVariable_Unpack(a[kBeta].ptr()), optional_tensor(a[kALog]), dt_bias, initial_state,
+                   optional_tensor(a[kCuSeqlens]), optional_tensor(a[kStateIndices]),
+                   optional_tensor(a[kHasInitialState]), o, final_state, state_pool, plan.scale, plan.lower_bound,
+                   PyObject_IsTrue(a[kGateInKernel].ptr()) == 1, PyObject_IsTrue(a[kL2Norm].ptr()) == 1,
+                   PyObject_IsTrue(a[kBetaSigmoid].ptr()) == 1, state_vk, !plan.bounded_decays);
+  // The caller's buffers were written: their version counters move, as the op's dispatch does.
+  for (const std::optional<at::Tensor>* t : std::initializer_list<const std::optional<at::Tensor>*>{&out, &caller_final_state, &state_pool})
+    if (t->has_value() && !(*t)->is_inference()) torch::autograd::impl::bump_version(**t);
+  return py::make_tuple(o, result_state.has_value() ? py::cast(*result_state) : py::none());
+}
+
 // The launch kda_prefill_sm90 makes for a problem of this shape on a GPU of `sm_count` SMs
 // (kda_prefill_sm90_launch_name): the benchmark records it with each row. Host only.
 std::string kda_prefill_sm90_launch_name(int64_t batch, int64_t seqlen, int64_t num_seqs, int64_t num_qk_heads,
@@ -335,6 +547,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("has_initial_state"), py::arg("o"), py::arg("final_state"), py::arg("state_pool"), py::arg("scale"),
         py::arg("lower_bound"), py::arg("use_gate_in_kernel"), py::arg("use_qk_l2norm_in_kernel"),
         py::arg("use_beta_sigmoid_in_kernel"), py::arg("state_v_first"), py::arg("general_gates") = false);
+  m.def("kda_prefill_fast", &kda_prefill_fast,
+        "cula.kda.kda_prefill's eager fast path: its 23 arguments, positional, in its order; (o, final_state) when "
+        "the call's signature was registered, else None (then the Python path runs). Internal.");
+  m.def("kda_prefill_fast_register", &kda_prefill_fast_register,
+        "Remember a signature that passed kda_prefill's rules and chose sm90: its 23 arguments, then scale, "
+        "lower_bound, N, state_is_bf16, bounded_decays. Returns whether it was remembered. Internal.");
+  m.def("kda_prefill_fast_clear", &kda_prefill_fast_clear, "Forget every registered signature. Internal.");
   m.def("kda_prefill_sm90_launch_name", &kda_prefill_sm90_launch_name,
         "The launch kda_prefill_sm90 makes for this shape on a GPU of sm_count SMs: 'index', 'longest-first' or "
         "'cooperative-...' (the CULA_KDA_* variables apply). Host only. Keyword arguments only.",

@@ -552,7 +552,25 @@ def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool,
 #: also passed the fused kernel's argument limits (:func:`_check_sm90_arguments`, which read
 #: only what the signature holds). The backend choice and its device and build checks are not
 #: remembered (they run on every call).
-_VALIDATED: dict[tuple, list] = {}
+
+
+class _Memo(dict):
+    """``_VALIDATED``'s type: a dict whose ``clear()`` also forgets the extension's copy of the
+    remembered signatures (:func:`_fast_path`), so that the fast path never lets through a call
+    the Python memo would run the rules for."""
+
+    def clear(self) -> None:
+        super().clear()
+        if _FAST_MEMO_OWNER is not None:
+            _FAST_MEMO_OWNER.kda_prefill_fast_clear()
+
+
+#: The compiled extension as imported (not whatever ``_ext.get_ext`` returns at the time: tests
+#: put stand-ins there), whose fast-path memo ``_VALIDATED.clear()`` clears.
+_FAST_MEMO_OWNER = _ext._C if hasattr(_ext._C, "kda_prefill_fast_clear") else None
+
+
+_VALIDATED: dict[tuple, list] = _Memo()
 _VALIDATED_MAX = 256
 _MEMO_TENSOR_TYPES = frozenset((Tensor, torch.nn.Parameter, type(None)))
 _MEMO_OPTION_TYPES = frozenset((bool, int, float, str, type(None)))
@@ -654,6 +672,25 @@ def _plan(
     else:
         state_dtype = torch.float32
     return _Plan(chosen, scale_f, lb, N, pooled, state_dtype, decays_bounded)
+
+
+def _fast_ext() -> Any:
+    """The compiled extension when it has the eager fast path (``kda_prefill_fast``), else None
+    (no extension, or a stand-in without it)."""
+    try:
+        ext = _ext.get_ext()
+    except RuntimeError:
+        return None
+    return ext if hasattr(ext, "kda_prefill_fast") else None
+
+
+def _plain_eager_mode() -> bool:
+    """No compiler, dispatch mode, tracer, functorch transform or torch-function mode: what
+    :func:`cula.kda.op._plain_eager` asks beyond the tensors (whose types and ``requires_grad``
+    the fast path checks itself)."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+                or torch._C._is_tracing() or torch._C._are_functorch_transforms_active()
+                or torch._C._is_torch_function_mode_enabled())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -818,6 +855,23 @@ def kda_prefill(
     """
     global LAST_BACKEND
 
+    # 0. The eager fast path: a signature that passed the rules below and chose the sm90 kernel
+    # before runs from the extension (kda_prefill_fast: the same allocations and launch, without
+    # the ~20-50 us of Python layers per call on a server's CPU); None for any other call.
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound,
+            state_layout, backend, state_indices, has_initial_state, out, final_state,
+            use_beta_sigmoid_in_kernel, check_inputs)
+    ext = _fast_ext() if _plain_eager_mode() else None
+    if ext is not None:
+        done = ext.kda_prefill_fast(*args)
+        if done is not None:
+            LAST_BACKEND = "sm90"
+            if _log.isEnabledFor(logging.DEBUG):
+                _log.debug("kda_prefill: backend=sm90 (fast path) q=%s HV=%d device=%s varlen=%s",
+                           tuple(q.shape), v.shape[2], q.device, cu_seqlens is not None)
+            return done
+
     # 1. every rule, before anything is allocated or launched.
     plan = _plan(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -863,6 +917,11 @@ def kda_prefill(
         seen_outputs=(out, caller_final_state, state_pool),
     )
 
+    if plan.backend == "sm90" and ext is not None:
+        # Remembered for the fast path (plain eager calls only; the extension refuses a signature
+        # the Python memo does not remember, by the same rules as _signature).
+        ext.kda_prefill_fast_register(*args, plan.scale, plan.lower_bound, plan.num_seqs,
+                                      plan.state_dtype == torch.bfloat16, plan.bounded_decays)
     LAST_BACKEND = plan.backend
     # Logging is a graph break for the compiler; the level test first spares the arguments.
     if not torch.compiler.is_compiling() and _log.isEnabledFor(logging.DEBUG):
