@@ -383,3 +383,46 @@ def test_cuda_graph(seed: int, monkeypatch):
     torch.cuda.synchronize()
     o_e, s_e = run_sm90(inp)
     assert torch.equal(o_g, o_e) and torch.equal(s_g, s_e)
+
+
+#: The one-kernel form's sync area: kept per stream and zeroed behind each launch
+#: (kda_prefill_dispatch.cu: zeroed_sync_area), or (``CULA_KDA_SYNC_AREA=workspace``) zeroed in the
+#: call's workspace before it, as a CUDA-graph capture and the two-kernel form do.
+SYNC_AREA_CASES = [
+    Spec(B=1, T=3000, H=2, HV=4, h0=True, layout="kv"),
+    Spec(B=1, T=9000, H=2, HV=8, h0=True, layout="vk"),  # more flags: the area grows
+    varlen("mix", [3000, 1, 0, 64, 65, 130, 2000], H=2, HV=4, h0=True, layout="vk"),
+]
+
+
+@gpu_sm90
+def test_stream_sync_area_bitwise_the_workspace_one(seed: int, monkeypatch):
+    """Calls of the one-kernel form in a row (each shape twice, the area growing in between, and on
+    a second stream) give bitwise the results of the same calls with the flags zeroed in the
+    workspace: a flag or claim counter left set by one launch would make the next one skip or
+    misread chunks."""
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
+    monkeypatch.setenv("CULA_KDA_HELPER_KERNEL", "0")
+    inputs = [make_inputs(spec) for spec in SYNC_AREA_CASES]
+
+    def call(inp: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return kda_prefill(**inp, output_final_state=True, safe_gate=True, backend="sm90")
+
+    monkeypatch.setenv("CULA_KDA_SYNC_AREA", "workspace")
+    expected = [call(inp) for inp in inputs]
+    monkeypatch.delenv("CULA_KDA_SYNC_AREA")
+    side = torch.cuda.Stream()
+    for rnd in range(2):
+        for i, inp in enumerate(inputs + inputs[::-1]):
+            j = i if i < len(inputs) else 2 * len(inputs) - 1 - i
+            if rnd == 1:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    o, s = call(inp)
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                o, s = call(inp)
+            torch.cuda.synchronize()
+            assert torch.equal(o, expected[j][0]) and torch.equal(s, expected[j][1]), (
+                f"{SYNC_AREA_CASES[j].id}: call {i} of round {rnd} differs from the workspace-zeroed call")
+    compare_to_reference(SYNC_AREA_CASES[0], inputs[0], *expected[0], what="one kernel, stream sync area")

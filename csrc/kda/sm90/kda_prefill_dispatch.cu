@@ -73,6 +73,50 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
   *out = ws;
   return cudaSuccess;
 }
+// The one-kernel cooperative form's sync area (flags and claim counters, which must be zero when
+// the kernel starts) for launches on `stream` of the current device, kept for the life of the
+// process and zeroed *behind* each launch: the call that uses it enqueues the kernel and then a
+// memset of the bytes it used, so the next launch on the stream finds them zero by stream order and
+// no memset precedes it (an eager call's GPU work starts after all the host work before its first
+// launch, and the memset's runtime call was ~3-10 us of it). Allocated and zeroed (on the stream,
+// before the first launch that uses it) the first time and whenever a call needs more bytes; the
+// old area is not freed, since work in flight may still use it (areas grow by doubling, so all of
+// them together are less than twice the largest). The caller holds `lock` from before this call
+// until the trailing memset is enqueued, so that two host threads on one stream cannot interleave
+// a launch between another's launch and its memset. Not used in a CUDA graph capture (the graph
+// would hold the area's address, and its replays may run on other streams beside eager calls on
+// this one), nor in the two-kernel form (its owners' kernel overlaps the helpers' by programmatic
+// dependent launch, and a helper may still bump a claim counter while the owners finish): those
+// zero a sync area in the call's workspace before the launch.
+struct SyncArea {
+  int* ptr = nullptr;
+  size_t bytes = 0;
+};
+std::mutex g_sync_area_mutex;
+cudaError_t zeroed_sync_area(int device, cudaStream_t stream, size_t bytes, int** out) {
+  static std::map<std::pair<int, cudaStream_t>, SyncArea> areas;
+  SyncArea& area = areas[{device, stream}];
+  if (area.bytes < bytes) {
+    const size_t grown = std::max(bytes, 2 * area.bytes);
+    void* ptr = nullptr;
+    // (relaxed: another thread's capture in global mode would refuse the allocation)
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
+    if (err != cudaSuccess) return err;
+    err = cudaMalloc(&ptr, grown);
+    cudaThreadExchangeStreamCaptureMode(&mode);  // back to the caller's mode
+    if (err == cudaSuccess) err = cudaMemsetAsync(ptr, 0, grown, stream);
+    if (err != cudaSuccess) {
+      if (ptr != nullptr) cudaFree(ptr);
+      return err;
+    }
+    area.ptr = static_cast<int*>(ptr);
+    area.bytes = grown;
+  }
+  *out = area.ptr;
+  return cudaSuccess;
+}
+
 // Fused kernel or cooperative mode (kernel_params.cuh: KernelPass). With few (sequence, value
 // head) tiles, the fused kernel keeps only that many SMs busy and each tile takes its chunk count
 // times the kernel's time per chunk (~12 us when this rule was set; ~8 us since e94f895, see
@@ -403,6 +447,16 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
     kp.coop.sync = static_cast<int*>(p.workspace);
     kp.coop.matrices = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + plan.sync_bytes);
     kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes + plan.matrix_bytes;  // the stages
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (!plan.coop.helper_kernel && (err = cudaStreamIsCapturing(stream, &capture)) != cudaSuccess) return err;
+    if (!plan.coop.helper_kernel && capture == cudaStreamCaptureStatusNone && !env_is("CULA_KDA_SYNC_AREA", "workspace")) {
+      // One kernel, not captured: the stream's sync area, zero already; zeroed again behind the launch.
+      const std::lock_guard<std::mutex> lock(g_sync_area_mutex);
+      if ((err = zeroed_sync_area(device, stream, plan.sync_bytes, &kp.coop.sync)) != cudaSuccess) return err;
+      err = launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
+      const cudaError_t zeroing = cudaMemsetAsync(kp.coop.sync, 0, plan.sync_bytes, stream);
+      return err != cudaSuccess ? err : zeroing;
+    }
     if ((err = cudaMemsetAsync(p.workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
     return launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
   }
