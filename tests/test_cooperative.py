@@ -385,24 +385,32 @@ def test_cuda_graph(seed: int, monkeypatch):
     assert torch.equal(o_g, o_e) and torch.equal(s_g, s_e)
 
 
-#: The one-kernel form's sync area: kept per stream and zeroed behind each launch
+#: The cooperative mode's sync area: kept per stream and zeroed behind each launch
 #: (kda_prefill_dispatch.cu: zeroed_sync_area), or (``CULA_KDA_SYNC_AREA=workspace``) zeroed in the
-#: call's workspace before it, as a CUDA-graph capture and the two-kernel form do.
+#: call's workspace before it, as a CUDA-graph capture does.
 SYNC_AREA_CASES = [
     Spec(B=1, T=3000, H=2, HV=4, h0=True, layout="kv"),
     Spec(B=1, T=9000, H=2, HV=8, h0=True, layout="vk"),  # more flags: the area grows
     varlen("mix", [3000, 1, 0, 64, 65, 130, 2000], H=2, HV=4, h0=True, layout="vk"),
+    Spec(B=1, T=6000, H=1, HV=2, h0=True, layout="kv"),  # with segments: P and S_out flags too
 ]
+#: the forms (CULA_KDA_HELPER_KERNEL, CULA_KDA_SEGMENTS for the last case)
+SYNC_AREA_FORMS = [pytest.param("0", None, id="one_kernel"), pytest.param("1", None, id="two_kernels"),
+                   pytest.param("1", "4", id="two_kernels_segments")]
 
 
 @gpu_sm90
-def test_stream_sync_area_bitwise_the_workspace_one(seed: int, monkeypatch):
-    """Calls of the one-kernel form in a row (each shape twice, the area growing in between, and on
-    a second stream) give bitwise the results of the same calls with the flags zeroed in the
-    workspace: a flag or claim counter left set by one launch would make the next one skip or
-    misread chunks."""
+@pytest.mark.parametrize("helper_kernel,segments", SYNC_AREA_FORMS)
+def test_stream_sync_area_bitwise_the_workspace_one(helper_kernel: str, segments: str | None, seed: int,
+                                                    monkeypatch):
+    """Calls of the mode in a row (each shape twice, the area growing in between, and on a second
+    stream) give bitwise the results of the same calls with the flags zeroed in the workspace: a
+    flag or claim counter left set by one launch (also one a helper bumps after the owners' last
+    chunk in the two-kernel form) would make the next one skip or misread chunks."""
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
-    monkeypatch.setenv("CULA_KDA_HELPER_KERNEL", "0")
+    monkeypatch.setenv("CULA_KDA_HELPER_KERNEL", helper_kernel)
+    if segments is not None:
+        monkeypatch.setenv("CULA_KDA_SEGMENTS", segments)
     inputs = [make_inputs(spec) for spec in SYNC_AREA_CASES]
 
     def call(inp: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,8 +73,8 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
   *out = ws;
   return cudaSuccess;
 }
-// The one-kernel cooperative form's sync area (flags and claim counters, which must be zero when
-// the kernel starts) for launches on `stream` of the current device, kept for the life of the
+// The cooperative mode's sync area (flags and claim counters, which must be zero when the launch
+// starts) for launches on `stream` of the current device, kept for the life of the
 // process and zeroed *behind* each launch: the call that uses it enqueues the kernel and then a
 // memset of the bytes it used, so the next launch on the stream finds them zero by stream order and
 // no memset precedes it (an eager call's GPU work starts after all the host work before its first
@@ -83,11 +83,13 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
 // old area is not freed, since work in flight may still use it (areas grow by doubling, so all of
 // them together are less than twice the largest). The caller holds `lock` from before this call
 // until the trailing memset is enqueued, so that two host threads on one stream cannot interleave
-// a launch between another's launch and its memset. Not used in a CUDA graph capture (the graph
-// would hold the area's address, and its replays may run on other streams beside eager calls on
-// this one), nor in the two-kernel form (its owners' kernel overlaps the helpers' by programmatic
-// dependent launch, and a helper may still bump a claim counter while the owners finish): those
-// zero a sync area in the call's workspace before the launch.
+// a launch between another's launch and its memset. In the two-kernel form the owners' kernel
+// overlaps the helpers' (programmatic dependent launch) and a helper may still bump a claim
+// counter after the owners' last chunk; the owners' state warpgroups end with griddepcontrol.wait
+// (kda_prefill_kernel.cuh), so the owners' kernel, which the memset follows in stream order, ends
+// after the helpers' kernel. Not used in a CUDA graph capture (the graph would hold the area's
+// address, and its replays may run on other streams beside eager calls on this one): a capture
+// zeroes a sync area in the call's workspace before the launch.
 struct SyncArea {
   int* ptr = nullptr;
   size_t bytes = 0;
@@ -448,9 +450,9 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
     kp.coop.matrices = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + plan.sync_bytes);
     kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes + plan.matrix_bytes;  // the stages
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (!plan.coop.helper_kernel && (err = cudaStreamIsCapturing(stream, &capture)) != cudaSuccess) return err;
-    if (!plan.coop.helper_kernel && capture == cudaStreamCaptureStatusNone && !env_is("CULA_KDA_SYNC_AREA", "workspace")) {
-      // One kernel, not captured: the stream's sync area, zero already; zeroed again behind the launch.
+    if ((err = cudaStreamIsCapturing(stream, &capture)) != cudaSuccess) return err;
+    if (capture == cudaStreamCaptureStatusNone && !env_is("CULA_KDA_SYNC_AREA", "workspace")) {
+      // Not captured: the stream's sync area, zero already; zeroed again behind the launch.
       const std::lock_guard<std::mutex> lock(g_sync_area_mutex);
       if ((err = zeroed_sync_area(device, stream, plan.sync_bytes, &kp.coop.sync)) != cudaSuccess) return err;
       err = launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
