@@ -831,6 +831,11 @@ def kda_prefill(
     function that calls ``kda_prefill`` compiles to one graph, and CUDA graphs capture it. The
     values of a CPU ``cu_seqlens`` are not checked inside a compiled function.
 
+    Eager fast path: in plain eager mode, a call whose signature (each tensor argument's type,
+    shape, dtype and device, a state pool's layout, each option's type and value) already passed
+    these rules and chose the sm90 kernel runs from the extension without the Python layers
+    (same allocations, launch and results; ``docs/kernel.md``).
+
     Example::
 
         import torch
