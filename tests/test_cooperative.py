@@ -386,7 +386,7 @@ def test_cuda_graph(seed: int, monkeypatch):
 
 
 #: The cooperative mode's sync area: kept per stream and zeroed behind each launch
-#: (kda_prefill_dispatch.cu: zeroed_sync_area), or (``CULA_KDA_SYNC_AREA=workspace``) zeroed in the
+#: (kda_prefill_dispatch.cu: stream_sync_area), or (``CULA_KDA_SYNC_AREA=workspace``) zeroed in the
 #: call's workspace before it, as a CUDA-graph capture does.
 SYNC_AREA_CASES = [
     Spec(B=1, T=3000, H=2, HV=4, h0=True, layout="kv"),
@@ -420,17 +420,18 @@ def test_stream_sync_area_bitwise_the_workspace_one(helper_kernel: str, segments
     expected = [call(inp) for inp in inputs]
     monkeypatch.delenv("CULA_KDA_SYNC_AREA")
     side = torch.cuda.Stream()
+    order = list(range(len(inputs))) + list(range(len(inputs)))[::-1]
     for rnd in range(2):
-        for i, inp in enumerate(inputs + inputs[::-1]):
-            j = i if i < len(inputs) else 2 * len(inputs) - 1 - i
-            if rnd == 1:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    o, s = call(inp)
-                torch.cuda.current_stream().wait_stream(side)
-            else:
-                o, s = call(inp)
-            torch.cuda.synchronize()
+        # the round's launches back to back on one stream (a launch may start right behind the
+        # previous one's trailing memset), synchronised only at the end
+        torch.cuda.synchronize()
+        if rnd == 1:
+            with torch.cuda.stream(side):
+                got = [call(inputs[j]) for j in order]
+        else:
+            got = [call(inputs[j]) for j in order]
+        torch.cuda.synchronize()
+        for i, (j, (o, s)) in enumerate(zip(order, got)):
             assert torch.equal(o, expected[j][0]) and torch.equal(s, expected[j][1]), (
                 f"{SYNC_AREA_CASES[j].id}: call {i} of round {rnd} differs from the workspace-zeroed call")
     compare_to_reference(SYNC_AREA_CASES[0], inputs[0], *expected[0], what="one kernel, stream sync area")

@@ -454,6 +454,8 @@ bool kda_prefill_fast_register(const py::args& a) {
   plan.num_seqs = a[kNumArgs + 2].cast<int64_t>();
   plan.state_dtype = a[kNumArgs + 3].cast<bool>() ? at::kBFloat16 : at::kFloat;
   plan.bounded_decays = a[kNumArgs + 4].cast<bool>();
+  // Bounded on its own too (the Python side clears it with _VALIDATED, which holds at most 256).
+  if (fast_memo().size() >= 1024) fast_memo().clear();
   fast_memo()[std::move(key)] = plan;
   return true;
 }

@@ -514,6 +514,7 @@ class _Plan(NamedTuple):
     pooled: bool              # state_indices given: initial_state is a pool written in place
     state_dtype: torch.dtype  # dtype of a final state kda_prefill allocates (non-pooled)
     bounded_decays: bool      # every log decay known to lie in [-5, 0): the kernel's safe-gate path
+    remembered: bool = False  # the call's signature is in _VALIDATED (the fast path may remember it)
 
 
 def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool,
@@ -551,13 +552,14 @@ def _choose_backend(q: Tensor, v: Tensor, num_seqs: int, decays_bounded: bool,
 #: ``[scale, lower_bound, N, sm90_arguments_passed]``: the last is set once the signature has
 #: also passed the fused kernel's argument limits (:func:`_check_sm90_arguments`, which read
 #: only what the signature holds). The backend choice and its device and build checks are not
-#: remembered (they run on every call).
+#: remembered (they run on every call of the Python path; a call the eager fast path serves has
+#: a signature that passed them, and its device is part of the signature).
 
 
 class _Memo(dict):
     """``_VALIDATED``'s type: a dict whose ``clear()`` also forgets the extension's copy of the
-    remembered signatures (:func:`_fast_path`), so that the fast path never lets through a call
-    the Python memo would run the rules for."""
+    remembered signatures (the eager fast path, ``kda_prefill_fast`` in the extension), so that
+    the fast path never lets through a call the Python memo would run the rules for."""
 
     def clear(self) -> None:
         super().clear()
@@ -671,7 +673,8 @@ def _plan(
         state_dtype = initial_state.dtype
     else:
         state_dtype = torch.float32
-    return _Plan(chosen, scale_f, lb, N, pooled, state_dtype, decays_bounded)
+    remembered = key is not None and _VALIDATED.get(key) is validated
+    return _Plan(chosen, scale_f, lb, N, pooled, state_dtype, decays_bounded, remembered)
 
 
 def _fast_ext() -> Any:
@@ -922,9 +925,9 @@ def kda_prefill(
         seen_outputs=(out, caller_final_state, state_pool),
     )
 
-    if plan.backend == "sm90" and ext is not None:
-        # Remembered for the fast path (plain eager calls only; the extension refuses a signature
-        # the Python memo does not remember, by the same rules as _signature).
+    if plan.backend == "sm90" and plan.remembered and ext is not None:
+        # Remembered for the fast path: plain eager calls whose signature the Python memo holds
+        # (the extension also refuses one its key rules would not remember: the same as _signature).
         ext.kda_prefill_fast_register(*args, plan.scale, plan.lower_bound, plan.num_seqs,
                                       plan.state_dtype == torch.bfloat16, plan.bounded_decays)
     LAST_BACKEND = plan.backend

@@ -51,7 +51,7 @@ struct KdaPrefillParams {
   // ---- workspace -----------------------------------------------------------------------
   // Cooperative mode only (few tiles: kda_prefill_sm90_workspace_bytes(p) > 0): device memory of
   // that many bytes, 16-byte aligned, owned by the caller; its contents need no initialisation
-  // (the launch zeroes the part that needs it, on the stream).
+  // (where the launch uses its first part for the flags, it zeroes that part on the stream).
   void* workspace = nullptr;
   size_t workspace_bytes = 0;           // its size (checked against what the launch needs)
 

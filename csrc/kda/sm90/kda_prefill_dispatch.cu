@@ -74,49 +74,68 @@ cudaError_t schedule_workspace(int device, cudaStream_t stream, sm90::ScheduleWo
   return cudaSuccess;
 }
 // The cooperative mode's sync area (flags and claim counters, which must be zero when the launch
-// starts) for launches on `stream` of the current device, kept for the life of the
-// process and zeroed *behind* each launch: the call that uses it enqueues the kernel and then a
-// memset of the bytes it used, so the next launch on the stream finds them zero by stream order and
-// no memset precedes it (an eager call's GPU work starts after all the host work before its first
-// launch, and the memset's runtime call was ~3-10 us of it). Allocated and zeroed (on the stream,
-// before the first launch that uses it) the first time and whenever a call needs more bytes; the
-// old area is not freed, since work in flight may still use it (areas grow by doubling, so all of
-// them together are less than twice the largest). The caller holds `lock` from before this call
-// until the trailing memset is enqueued, so that two host threads on one stream cannot interleave
-// a launch between another's launch and its memset. In the two-kernel form the owners' kernel
-// overlaps the helpers' (programmatic dependent launch) and a helper may still bump a claim
-// counter after the owners' last chunk; the owners' state warpgroups end with griddepcontrol.wait
-// (kda_prefill_kernel.cuh), so the owners' kernel, which the memset follows in stream order, ends
-// after the helpers' kernel. Not used in a CUDA graph capture (the graph would hold the area's
-// address, and its replays may run on other streams beside eager calls on this one): a capture
-// zeroes a sync area in the call's workspace before the launch.
+// starts) for launches on one stream of the current device, kept for the life of the process and
+// zeroed *behind* each launch: the call that uses it enqueues the kernel and then a memset of the
+// bytes it used, so the next launch on the stream finds them zero by stream order and no memset
+// precedes it (an eager call's GPU work starts after all the host work before its first launch,
+// and the memset's runtime call was 4-16 us of eager time). Areas are keyed by the stream's ID
+// (cudaStreamGetId: unique for the process's life, and the real stream behind
+// cudaStreamPerThread), not its handle, which a new stream may reuse while a destroyed one's
+// memset is still pending. Allocated the first time and whenever a call needs more bytes; an
+// outgrown area is not freed, since work in flight may still use it (areas grow by doubling, so
+// all of them together are less than twice the largest). An area that is not known to be zero
+// (new, or its trailing memset failed to enqueue) is zeroed on the stream before the launch. The
+// caller holds g_sync_area_mutex from before this call until the trailing memset is enqueued, so
+// that two host threads on one stream cannot put a launch between another's launch and its
+// memset. In the two-kernel form the owners' kernel overlaps the helpers' (programmatic dependent
+// launch) and a helper may still bump a claim counter after the owners' last chunk; the owners'
+// state warpgroups end with griddepcontrol.wait (kda_prefill_kernel.cuh), so the owners' kernel,
+// which the memset follows in stream order, ends after the helpers' kernel. Not used in a CUDA
+// graph capture (the graph would hold the area's address, and its replays may run on other
+// streams beside eager calls on this one): a capture, and any call for which this returns null
+// (the stream's ID or the allocation unavailable), zeroes a sync area in its workspace before
+// the launch instead.
 struct SyncArea {
   int* ptr = nullptr;
   size_t bytes = 0;
+  bool dirty = false;  // not known to be zero: zeroed before the next launch
 };
 std::mutex g_sync_area_mutex;
-cudaError_t zeroed_sync_area(int device, cudaStream_t stream, size_t bytes, int** out) {
-  static std::map<std::pair<int, cudaStream_t>, SyncArea> areas;
-  SyncArea& area = areas[{device, stream}];
+SyncArea* stream_sync_area(int device, cudaStream_t stream, size_t bytes) {
+  unsigned long long id = 0;
+  if (cudaStreamGetId(stream, &id) != cudaSuccess) {
+    cudaGetLastError();  // (not sticky: cleared, so that the launch's error check does not see it)
+    return nullptr;
+  }
+  static std::map<std::pair<int, unsigned long long>, SyncArea> areas;
+  SyncArea& area = areas[{device, id}];
   if (area.bytes < bytes) {
     const size_t grown = std::max(bytes, 2 * area.bytes);
     void* ptr = nullptr;
     // (relaxed: another thread's capture in global mode would refuse the allocation)
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    cudaError_t err = cudaThreadExchangeStreamCaptureMode(&mode);
-    if (err != cudaSuccess) return err;
-    err = cudaMalloc(&ptr, grown);
+    if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    const cudaError_t err = cudaMalloc(&ptr, grown);
     cudaThreadExchangeStreamCaptureMode(&mode);  // back to the caller's mode
-    if (err == cudaSuccess) err = cudaMemsetAsync(ptr, 0, grown, stream);
     if (err != cudaSuccess) {
-      if (ptr != nullptr) cudaFree(ptr);
-      return err;
+      cudaGetLastError();  // out of memory here: the call uses its workspace
+      return nullptr;
     }
     area.ptr = static_cast<int*>(ptr);
     area.bytes = grown;
+    area.dirty = true;
   }
-  *out = area.ptr;
-  return cudaSuccess;
+  if (area.dirty) {
+    if (cudaMemsetAsync(area.ptr, 0, area.bytes, stream) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    area.dirty = false;
+  }
+  return &area;
 }
 
 // Fused kernel or cooperative mode (kernel_params.cuh: KernelPass). With few (sequence, value
@@ -454,10 +473,15 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
     if (capture == cudaStreamCaptureStatusNone && !env_is("CULA_KDA_SYNC_AREA", "workspace")) {
       // Not captured: the stream's sync area, zero already; zeroed again behind the launch.
       const std::lock_guard<std::mutex> lock(g_sync_area_mutex);
-      if ((err = zeroed_sync_area(device, stream, plan.sync_bytes, &kp.coop.sync)) != cudaSuccess) return err;
-      err = launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
-      const cudaError_t zeroing = cudaMemsetAsync(kp.coop.sync, 0, plan.sync_bytes, stream);
-      return err != cudaSuccess ? err : zeroing;
+      if (SyncArea* area = stream_sync_area(device, stream, plan.sync_bytes)) {
+        kp.coop.sync = area->ptr;
+        err = launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
+        if (cudaMemsetAsync(area->ptr, 0, plan.sync_bytes, stream) != cudaSuccess) {
+          cudaGetLastError();
+          area->dirty = true;  // zeroed before the next launch instead
+        }
+        return err;
+      }
     }
     if ((err = cudaMemsetAsync(p.workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
     return launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);

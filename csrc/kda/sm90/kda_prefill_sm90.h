@@ -9,11 +9,14 @@
 
 namespace cula::kda {
 
-// Launches the kernel for `params` on `stream` (fused, or for few tiles the cooperative mode, which
-// also zeroes its flags in params.workspace with one memset). The caller has validated the
+// Launches the kernel for `params` on `stream` (fused, or for few tiles the cooperative mode, whose
+// flags and counters live in a sync area kept per stream and zeroed by a memset enqueued behind
+// each launch; under a CUDA graph capture, or where that area is unavailable, in
+// params.workspace, zeroed by a memset before the launch). The caller has validated the
 // arguments (see csrc/api); this checks what the kernel itself relies on and returns an error
-// otherwise. No host synchronisation; no allocation except, on the first longest-first launch on
-// a stream, its 16 KB schedule workspace (kept for the life of the process).
+// otherwise. No host synchronisation; no allocation except, kept for the life of the process, the
+// 16 KB schedule workspace of the first longest-first launch on a stream and the cooperative
+// mode's sync area of a stream (allocated on its first use and when a call needs more).
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream);
 
 // Bytes of device workspace that kda_prefill_sm90 needs for `params` on the current device: 0 when

@@ -42,7 +42,8 @@ enum class KernelPass : int { kFused = 0, kCooperative = 1, kCoopHelpers = 2 };
 // and value head. Chunk c of sequence n (first token t0) has slot t0 / 64 + n + c within its head:
 // slots of consecutive sequences never overlap (floor(t0' / 64) + 1 >= floor(t0 / 64) +
 // ceil(len / 64) for t0' = t0 + len), and every slot is below ceil(T / 64) + N whatever the
-// (clamped) cu_seqlens values are. `sync` (zeroed before each launch) holds a published flag per
+// (clamped) cu_seqlens values are. `sync` (zero when a launch starts: the stream's sync area, or the
+// workspace's first bytes; kda_prefill_dispatch.cu: stream_sync_area) holds a published flag per
 // (value head, slot), [HV][slots_per_head], then a claim counter per tile, [tiles].
 //
 // Value split: the state's value columns never mix, so a tile may have two owners, CTAs 2t and
