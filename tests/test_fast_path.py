@@ -130,6 +130,29 @@ def test_a_pooled_call_registers_the_pool_as_initial_state(stand_in) -> None:
     assert reg[6] is pool and reg[17] is kw["state_indices"] and reg[25] == 2  # N
 
 
+def test_only_signatures_the_python_memo_holds_are_registered(stand_in, monkeypatch) -> None:
+    """A call whose rules read index values (CPU cu_seqlens, checked on every call) is never
+    remembered by the Python memo, so it is not registered either; nor is a call whose signature
+    the memo does not hold when the launch is done (here: a memo whose inserts are dropped)."""
+    ext = stand_in(None)
+    prefill_mod._VALIDATED.clear()
+    kda_prefill(**_sm90_inputs(cu_seqlens=torch.tensor([0, 2, T])))
+    assert ext.launches == 1 and ext.registered == [] and len(prefill_mod._VALIDATED) == 0
+
+    class Forgetful(prefill_mod._Memo):
+        def __setitem__(self, key, value) -> None:
+            pass
+
+    memo = prefill_mod._VALIDATED
+    monkeypatch.setattr(prefill_mod, "_VALIDATED", Forgetful())
+    kda_prefill(**_sm90_inputs())
+    assert ext.launches == 2 and ext.registered == []
+    monkeypatch.setattr(prefill_mod, "_VALIDATED", memo)
+    memo.clear()
+    kda_prefill(**_sm90_inputs())
+    assert ext.launches == 3 and len(ext.registered) == 1
+
+
 def test_the_fast_path_is_offered_in_plain_eager_mode_only(stand_in) -> None:
     class PassThrough(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
