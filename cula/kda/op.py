@@ -242,6 +242,18 @@ def _only_device_contexts() -> bool:
                for i in range(torch._C._len_torch_function_stack()))
 
 
+def _outside_tracers_and_modes(*, allow_device_contexts: bool) -> bool:
+    """No compiler tracing, no dispatch mode (fake tensors, functionalisation, export), no
+    ``torch.jit.trace``, no functorch transform (vmap, grad: their wrapped tensors look plain from
+    Python) and no torch-function mode (but, with ``allow_device_contexts``, the default-device
+    one). What :func:`_plain_eager` and the eager fast path (:func:`cula.kda.kda_prefill`) ask
+    beyond the tensors."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+                or torch._C._is_tracing() or torch._C._are_functorch_transforms_active()
+                or (torch._C._is_torch_function_mode_enabled()
+                    and not (allow_device_contexts and _only_device_contexts())))
+
+
 def _plain_eager(tensors: tuple[Tensor | None, ...]) -> bool:
     """True when nothing observes the call but the caller: no compiler tracing, no dispatch mode
     (fake tensors, functionalisation, export), no ``torch.jit.trace``, no functorch transform
@@ -251,9 +263,7 @@ def _plain_eager(tensors: tuple[Tensor | None, ...]) -> bool:
     up doing, without its ~20 us of Python dispatch layers (autograd, ADInplaceOrView, the
     backend wrapper) per call. Anything else takes the op, which every tracer records as one
     node."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._is_tracing() or torch._C._are_functorch_transforms_active()
-            or (torch._C._is_torch_function_mode_enabled() and not _only_device_contexts())):
+    if not _outside_tracers_and_modes(allow_device_contexts=True):
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

@@ -688,12 +688,9 @@ def _fast_ext() -> Any:
 
 
 def _plain_eager_mode() -> bool:
-    """No compiler, dispatch mode, tracer, functorch transform or torch-function mode: what
-    :func:`cula.kda.op._plain_eager` asks beyond the tensors (whose types and ``requires_grad``
-    the fast path checks itself)."""
-    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-                or torch._C._is_tracing() or torch._C._are_functorch_transforms_active()
-                or torch._C._is_torch_function_mode_enabled())
+    """The fast path's mode rule: :func:`cula.kda.op._plain_eager`'s, without its default-device
+    exception (the tensors' types and ``requires_grad`` the fast path checks itself)."""
+    return _op._outside_tracers_and_modes(allow_device_contexts=False)
 
 
 # ----------------------------------------------------------------------------------------------
