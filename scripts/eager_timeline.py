@@ -48,6 +48,8 @@ ROWS = {
     "B8 T8192 H64": Config("fixed", 8, 8192, 64, 64),
     "B1 T1024 H64": Config("fixed", 1, 1024, 64, 64),
     "B1 T8192 H64": Config("fixed", 1, 8192, 64, 64),
+    "B1 T2048 H64": Config("fixed", 1, 2048, 64, 64),
+    "B1 T4096 H64": Config("fixed", 1, 4096, 64, 64),
     "B1 T32768 H8": Config("small", 1, 32768, 8, 8),
     "B1 T65536 H4": Config("small", 1, 65536, 4, 4),
     "B1 T131072 H2": Config("small", 1, 131072, 2, 2),
