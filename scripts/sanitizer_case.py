@@ -221,14 +221,10 @@ def main() -> int:
     # The forms of the mode: a helpers' kernel with two intra-chunk warpgroups per CTA, then the
     # owners' kernel started while it runs (HELPER_KERNEL=1), with one intra warpgroup, with the
     # owners after the helpers, one kernel with both roles (the host's default picks one), and the
-    # helpers releasing a stage only after its write has landed; two tiles per owner, whose owner
-    # region computes one chunk per intra warpgroup in the helpers' kernel first (the default
-    # there: owner pre-work), and three.
+    # helpers releasing a stage only after its write has landed.
     for form in ({"CULA_KDA_HELPER_KERNEL": "1"}, {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_INTRA": "1"},
                  {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_OVERLAP_OWNERS": "0"}, {"CULA_KDA_HELPER_KERNEL": "0"},
-                 {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_EARLY_RELEASE": "0"},
-                 {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_TILES_PER_OWNER": "2"},
-                 {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_TILES_PER_OWNER": "2", "CULA_KDA_OWNER_PREWORK": "3"}):
+                 {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_EARLY_RELEASE": "0"}):
         os.environ.update(form)
         print("sanitizer_case: CULA_KDA_COOPERATIVE=1 " + " ".join(f"{k}={v}" for k, v in form.items()), flush=True)
         results += [run_one(*cfg) for cfg in CONFIGS[:2]]

@@ -158,34 +158,6 @@ def test_tiles_per_owner_bitwise_one(spec: Spec, seed: int, monkeypatch):
     compare_to_reference(spec, inp, *out["4"], what=f"{spec.id} cooperative, 4 tiles per owner")
 
 
-@gpu_sm90
-@pytest.mark.parametrize("spec", TILES_PER_OWNER_CASES)
-def test_owner_prework_bitwise_none(spec: Spec, seed: int, monkeypatch):
-    """Owner pre-work (CooperativePlan::owner_prework, the default with several tiles per owner):
-    the owner region's CTAs of the helpers' kernel compute their first tiles' first chunks before
-    the owners' kernel takes their SMs. Which CTA computes a chunk never changes it, so every
-    budget (0: none, 1: the default, 4: more chunks than the shortest tiles have) gives bitwise
-    the results of none, with 2 and 3 tiles per owner."""
-    inp = make_inputs(spec)
-    monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
-    monkeypatch.setenv("CULA_KDA_HELPER_KERNEL", "1")
-    monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
-    for k in ("2", "3"):
-        monkeypatch.setenv("CULA_KDA_TILES_PER_OWNER", k)
-        out = {}
-        for budget in ("0", None, "4"):
-            if budget is None:
-                monkeypatch.delenv("CULA_KDA_OWNER_PREWORK", raising=False)
-            else:
-                monkeypatch.setenv("CULA_KDA_OWNER_PREWORK", budget)
-            out[budget] = run_sm90(inp)
-        for budget in (None, "4"):
-            assert torch.equal(out["0"][0], out[budget][0]) and torch.equal(out["0"][1], out[budget][1]), (
-                f"{spec.id}: k={k}, CULA_KDA_OWNER_PREWORK={budget or '(default)'} differs from 0"
-            )
-    compare_to_reference(spec, inp, *out[None], what=f"{spec.id} cooperative, 3 tiles per owner, owner pre-work")
-
-
 #: The cooperative mode's two forms: the helpers in a kernel of their own, launched before the
 #: owners' kernel, with two intra-chunk warpgroups per helper CTA (the default; the second works in
 #: the state warpgroups' shared memory under its own named barrier), or one
@@ -209,9 +181,6 @@ HELPER_FORMS = {
     "owners_after_helpers": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_OVERLAP_OWNERS": "0"},
     "one_kernel": {"CULA_KDA_HELPER_KERNEL": "0"},
     "release_after_write": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_EARLY_RELEASE": "0"},
-    # The owner region's CTAs compute two chunks per intra-chunk warpgroup in the helpers' kernel
-    # before the owners' kernel takes their SMs (forced here beside segments and value splits too).
-    "owner_prework": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_OWNER_PREWORK": "2"},
     "one_kernel_release_after_write": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_EARLY_RELEASE": "0"},
 }
 HELPER_FORM_CASES = [
@@ -246,7 +215,7 @@ def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, 
     monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
     def use_form(env: dict[str, str]) -> None:
         for name in ("CULA_KDA_HELPER_INTRA", "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_HELPER_KERNEL", "CULA_KDA_TILES_PER_OWNER",
-                     "CULA_KDA_EARLY_RELEASE", "CULA_KDA_OWNER_PREWORK"):
+                     "CULA_KDA_EARLY_RELEASE"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

@@ -15,7 +15,7 @@ SCHEDULE_ENV = "CULA_KDA_SCHEDULE"
 #: The launch knobs cula reads per call (docs/install.md); the run's values go into its metadata.
 LAUNCH_ENVS = ("CULA_KDA_SCHEDULE", "CULA_KDA_COOPERATIVE", "CULA_KDA_VALUE_SPLIT", "CULA_KDA_SEGMENTS",
                "CULA_KDA_TILES_PER_OWNER", "CULA_KDA_HELPER_KERNEL", "CULA_KDA_HELPER_INTRA",
-               "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_EARLY_RELEASE", "CULA_KDA_OWNER_PREWORK", "CULA_KDA_SYNC_AREA")
+               "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_EARLY_RELEASE", "CULA_KDA_SYNC_AREA")
 
 
 def cula_schedule(cfg: Config, sm_count: int, *, general_gates: bool = False) -> str | None:

@@ -148,13 +148,7 @@ __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int p
 // unit has no chunk left it takes the unit pick_helper_unit draws. A chunk is claimed only once a
 // stage's head is free for it (claiming a whole stage ahead, with an L2 prefetch of its boxes,
 // measured no faster and 7 % slower at B1 T8192 H16: docs/perf-notes.md).
-// kBudget: `budget` is the most chunks this warp claims (an owner-region CTA's pre-work in the
-// helpers' kernel: CooperativePlan::owner_prework); then it ends as if no chunk were left. (A
-// template flag, so that the other producers carry no counter: the one-kernel form's producer
-// has 24 registers and spills.)
-template <bool kBudget = false>
-__device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem, int which = 0,
-                                                         int budget = INT_MAX) {
+__device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& kp, SharedStorage& smem, int which = 0) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
   const int G = kp.coop.segments;
@@ -172,7 +166,7 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
           : G > 1             ? b / (4 * G) * G + (b % (4 * G)) / 4
                               : b / kp.coop.value_split;
   // The warps' draws interleave (pick_helper_unit's sequence), so they spread over the units too.
-  for (int pick = which; u >= 0; u = !kBudget || budget > 0 ? pick_helper_unit(kp, pick) : -1, pick += step) {
+  for (int pick = which; u >= 0; u = pick_helper_unit(kp, pick), pick += step) {
     const WorkTile tile = unit_tile(kp, u);
     const int64_t first = first_chunk_slot(tile);
     const ChunkRange range = segment_chunks(G, tile.num_chunks(), u % G);
@@ -188,7 +182,6 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
       if (lane == 0) c = range.begin + atomicAdd(claim_counter(kp, u), 1);
       c = __shfl_sync(0xffffffffu, c, 0);
       if (c >= range.end) break;  // this stage stays free (its phases are done) for the next unit's chunk
-      if constexpr (kBudget) --budget;
       const int rows = tile.chunk_rows(c);
       const int64_t token = tile.token0 + int64_t(c) * kChunk;
       if (lane == 0) {
@@ -220,10 +213,6 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
         cutlass::arch::ClusterBarrier::arrive(full);
       }
       __syncwarp();
-      if (kBudget && budget == 0) {  // pre-work done: this stage's phases are the last this warp starts
-        pipe.advance(step);
-        break;
-      }
     }
   }
   // No chunk left: an end mark (rows = -1) in this warp's next stage, for its intra-chunk

@@ -334,15 +334,6 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
     plan.coop.owners = int(num_tiles) * 4 * segments;
   }
   plan.coop.helper_intra = plan.coop.helper_kernel && !env_is("CULA_KDA_HELPER_INTRA", "1") ? 2 : 1;
-  // Owner pre-work (CooperativePlan::owner_prework): where the helpers bound the launch (several
-  // tiles per owner), the owner region's SMs compute one chunk per intra-chunk warpgroup in the
-  // helpers' kernel before the owners' kernel takes them. CULA_KDA_OWNER_PREWORK=n (read per call,
-  // 0..4) forces n chunks per warpgroup in any two-kernel launch.
-  if (plan.coop.helper_kernel && plan.coop.overlap_owners && tiles_per_owner > 1) plan.coop.owner_prework = 1;
-  if (const char* env = std::getenv("CULA_KDA_OWNER_PREWORK"); env != nullptr && plan.coop.helper_kernel) {
-    const int forced = std::atoi(env);
-    if (forced >= 0 && forced <= 4) plan.coop.owner_prework = forced;
-  }
   const size_t units = size_t(num_tiles) * size_t(segments);
   plan.stage_bytes = size_t(slots) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
   // published flags, then per unit: claim counter, P count, two S_out flags

@@ -77,15 +77,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     coop_role = cooperative_role(kp);
     if (coop_role.helper && kp.coop.helper_kernel) return;
   }
-  // Owner pre-work (CooperativePlan::owner_prework): an owner-region CTA of the helpers' kernel
-  // claims a few chunks as a helper before it leaves its SM to the owners' kernel.
-  int claim_budget = INT_MAX;
   if constexpr (kHelpers) {
     coop_role = cooperative_role(kp);
-    if (!coop_role.helper) {
-      if (kp.coop.owner_prework <= 0) return;
-      claim_budget = kp.coop.owner_prework;
-    }
+    if (!coop_role.helper) return;
     // The owners' kernel may start now: once every helper CTA runs (or has exited), the owners'
     // waits on published chunks always end (chunk_workspace.cuh: progress).
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -146,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     // same thread-index expression (run_intra_chunk).
     if (role == WarpgroupRole::kProducer) {
       cutlass::arch::warpgroup_reg_dealloc<kHelperProducerRegs>();
-      if (threadIdx.x / 32 < kp.coop.helper_intra) run_chunk_claim_producer<true>(kp, smem, threadIdx.x / 32, claim_budget);
+      if (threadIdx.x / 32 < kp.coop.helper_intra) run_chunk_claim_producer(kp, smem, threadIdx.x / 32);
     } else if (role == WarpgroupRole::kState1) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       // One storer thread per intra-chunk warpgroup (each on its own stage, in its own warp), so

@@ -86,14 +86,6 @@ struct CooperativePlan {
   // tiles of the first round (tile < owners) before those of the next (pick_helper_unit), so each
   // owner's current tile is the one being computed.
   int tiles_per_owner = 1;
-  // Owner pre-work (helper_kernel and tiles_per_owner > 1 only): in the helpers' kernel the CTAs of
-  // the owner region, instead of exiting at once, first compute this many chunks per intra-chunk
-  // warpgroup as helpers (their own first tile's first chunks), then exit and leave their SMs to
-  // the owners' kernel. The owners wait for their first chunks anyway (a helper's first stage takes
-  // ~19 us), and where the helpers bound the launch the chunks count for the whole launch: at B1
-  // T1024 H64 (1024 chunks, 100 helpers of two chains) they take the helpers' rounds from
-  // ceil(1024 / 200) = 6 to 5. 0: the owner-region CTAs exit at once.
-  int owner_prework = 0;
   bool helper_kernel = true;   // the helpers in a kernel of their own (KernelPass::kCoopHelpers)
   int helper_intra = 2;        // intra-chunk warpgroups per helper CTA: 1, or 2 (helper_kernel only; warpgroups 1 and 2, one stage each)
   // Launch the owners' kernel with programmatic stream serialization, so that it starts once every
