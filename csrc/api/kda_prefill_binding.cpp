@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -292,14 +293,25 @@ void kda_prefill_sm90(const at::Tensor& q_in, const at::Tensor& k_in, const at::
   // Cooperative mode (few tiles): its workspace comes from torch's caching allocator, stream-ordered
   // (freed here, reusable by later work on this stream only) and inside a CUDA graph capture from
   // the graph's pool. The current device is the inputs' (guard above).
-  at::Tensor workspace;
-  if (const size_t bytes = cula::kda::kda_prefill_sm90_workspace_bytes(p); bytes > 0) {
-    workspace = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));
-    p.workspace = workspace.data_ptr();
-    p.workspace_bytes = bytes;
-  }
-
-  const cudaError_t err = cula::kda::kda_prefill_sm90(p, at::cuda::getCurrentCUDAStream(device.index()));
+  // The dispatch plans the launch once and asks for the workspace only where it needs one; an
+  // allocation error (torch's out-of-memory) is carried across the dispatch and rethrown here.
+  struct WorkspaceRequest {
+    at::TensorOptions options;
+    at::Tensor tensor;
+    std::exception_ptr error;
+  } request{q.options().dtype(at::kByte), {}, nullptr};
+  auto allocate = [](size_t bytes, void* ctx) -> void* {
+    auto* r = static_cast<WorkspaceRequest*>(ctx);
+    try {
+      r->tensor = at::empty({int64_t(bytes)}, r->options);
+      return r->tensor.data_ptr();
+    } catch (...) {
+      r->error = std::current_exception();
+      return nullptr;
+    }
+  };
+  const cudaError_t err = cula::kda::kda_prefill_sm90(p, at::cuda::getCurrentCUDAStream(device.index()), allocate, &request);
+  if (request.error) std::rethrow_exception(request.error);
   TORCH_CHECK(err == cudaSuccess, "kda_prefill_sm90 failed: ", cudaGetErrorString(err), " ",
               cula::kda::kda_prefill_sm90_last_error());
   if (!o.is_same(o_out)) o_out.copy_(o);

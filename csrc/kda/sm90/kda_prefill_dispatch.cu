@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -383,12 +384,28 @@ cudaError_t launch_instantiation(const KdaPrefillParams& p, const sm90::KdaKerne
   return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kGeneral>(p, kp, grid, stream);
 }
 
+// The SM count of `device`, asked of the runtime once per device (it does not change while the
+// process runs): one runtime call less before every launch.
+cudaError_t sm_count_of(int device, int* sm_count) {
+  static std::atomic<int> known[64] = {};
+  if (device >= 0 && device < 64) {
+    if (const int n = known[device].load(std::memory_order_relaxed); n > 0) {
+      *sm_count = n;
+      return cudaSuccess;
+    }
+  }
+  const cudaError_t err = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess && device >= 0 && device < 64) known[device].store(*sm_count, std::memory_order_relaxed);
+  return err;
+}
 cudaError_t device_sm_count(int* sm_count) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = sm_count_of(device, sm_count);
   return err;
 }
+
+cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx);
 }  // namespace
 
 const char* kda_prefill_sm90_last_error() { return g_last_error; }
@@ -412,6 +429,18 @@ size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& p) {
 }
 
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
+  return launch(p, stream, nullptr, nullptr);
+}
+
+cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx) {
+  if (allocate == nullptr) return invalid("kda_prefill_sm90: null workspace allocator");
+  return launch(p, stream, allocate, ctx);
+}
+
+namespace {
+// kda_prefill_sm90 with the caller's workspace (allocate == nullptr: params.workspace) or one
+// allocated here through `allocate` once the launch is planned.
+cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx) {
   g_last_error = "";
   if (p.head_dim != 128) return invalid("head_dim must be 128");
   if (p.num_qk_heads <= 0 || p.num_v_heads < p.num_qk_heads || p.num_v_heads % p.num_qk_heads != 0)
@@ -457,17 +486,28 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   int device = 0;
   if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
   int sm_count = 0;
-  if ((err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  if ((err = sm_count_of(device, &sm_count)) != cudaSuccess) return err;
 
   const Plan plan = plan_call(p, sm_count);
   if (plan.cooperative) {
-    if (p.workspace == nullptr || p.workspace_bytes < plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes)
+    const size_t needed = plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes;
+    void* workspace = p.workspace;
+    size_t workspace_bytes = p.workspace_bytes;
+    if (allocate != nullptr) {
+      workspace = allocate(needed, ctx);
+      workspace_bytes = needed;
+      if (workspace == nullptr) {
+        g_last_error = "the workspace allocator returned null";
+        return cudaErrorMemoryAllocation;
+      }
+    }
+    if (workspace == nullptr || workspace_bytes < needed)
       return invalid("the cooperative mode needs a workspace of kda_prefill_sm90_workspace_bytes() bytes");
-    if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return invalid("the workspace must be 16-byte aligned");
+    if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return invalid("the workspace must be 16-byte aligned");
     kp.coop = plan.coop;
-    kp.coop.sync = static_cast<int*>(p.workspace);
-    kp.coop.matrices = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + plan.sync_bytes);
-    kp.problem.workspace = static_cast<uint8_t*>(p.workspace) + plan.sync_bytes + plan.matrix_bytes;  // the stages
+    kp.coop.sync = static_cast<int*>(workspace);
+    kp.coop.matrices = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + plan.sync_bytes);
+    kp.problem.workspace = static_cast<uint8_t*>(workspace) + plan.sync_bytes + plan.matrix_bytes;  // the stages
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if ((err = cudaStreamIsCapturing(stream, &capture)) != cudaSuccess) return err;
     if (capture == cudaStreamCaptureStatusNone && !env_is("CULA_KDA_SYNC_AREA", "workspace")) {
@@ -483,7 +523,7 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
         return err;
       }
     }
-    if ((err = cudaMemsetAsync(p.workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
+    if ((err = cudaMemsetAsync(workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
     return launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
   }
   if (longest_first_schedule(p, sm_count)) {
@@ -493,5 +533,6 @@ cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
   return launch_instantiation<false, sm90::KernelPass::kFused>(p, kp, int(std::min<int64_t>(num_tiles, INT_MAX)),
                                                                stream);
 }
+}  // namespace
 
 }  // namespace cula::kda

@@ -19,6 +19,16 @@ namespace cula::kda {
 // mode's sync area of a stream (allocated on its first use and when a call needs more).
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream);
 
+// The same launch for a caller that allocates the cooperative mode's workspace per call: the launch
+// is planned once (kda_prefill_sm90_workspace_bytes and then kda_prefill_sm90 would plan it twice,
+// each reading the CULA_KDA_* variables), and where it needs a workspace, `allocate(bytes, ctx)` is
+// called once, before any launch, and must return 16-byte aligned device memory that stays valid
+// for the work on `stream` (e.g. from a stream-ordered allocator), or null, which fails the call
+// with cudaErrorMemoryAllocation. params.workspace is ignored.
+using WorkspaceAllocator = void* (*)(size_t bytes, void* ctx);
+cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream, WorkspaceAllocator allocate,
+                             void* ctx);
+
 // Bytes of device workspace that kda_prefill_sm90 needs for `params` on the current device: 0 when
 // it runs the fused kernel, else the cooperative mode's finished stages and flags (the caller
 // allocates them and sets params.workspace). Same decision as kda_prefill_sm90 (CULA_KDA_COOPERATIVE=0/1 forces it).
