@@ -79,3 +79,22 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.section("cula summary")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def count_calls(monkeypatch: pytest.MonkeyPatch):
+    """``count_calls(module, name)`` wraps ``module.name`` for the test and returns a list that
+    grows by one entry per call (the tests that check how often a rule runs)."""
+
+    def wrap(module, name: str) -> list[int]:
+        runs: list[int] = []
+        real = getattr(module, name)
+
+        def counting(*args, **kwargs):
+            runs.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+        return runs
+
+    return wrap

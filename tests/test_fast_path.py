@@ -241,25 +241,14 @@ def _clone(kw: dict[str, Any]) -> dict[str, Any]:
     return {n: x.clone() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
 
 
-def _count_rules(monkeypatch) -> list[int]:
-    runs: list[int] = []
-    real = prefill_mod._plan
-
-    def counting(*args: Any, **kwargs: Any):
-        runs.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(prefill_mod, "_plan", counting)
-    return runs
-
 
 GPU_CASES = ["fixed", "varlen_pool", "read_only_pool", "buffers_vk_bf16", "beta_logits", "softplus"]
 
 
 @gpu
 @pytest.mark.parametrize("case", GPU_CASES)
-def test_fast_path_is_taken_and_matches_the_python_path(case: str, seed: int, monkeypatch) -> None:
-    runs = _count_rules(monkeypatch)
+def test_fast_path_is_taken_and_matches_the_python_path(case: str, seed: int, monkeypatch, count_calls) -> None:
+    runs = count_calls(prefill_mod, "_plan")
     prefill_mod._VALIDATED.clear()
     kda_prefill(**_gpu_case(case))  # the rules run; the signature is registered
     assert len(runs) == 1
@@ -287,8 +276,8 @@ def test_fast_path_is_taken_and_matches_the_python_path(case: str, seed: int, mo
 
 
 @gpu
-def test_fast_path_bumps_only_the_caller_buffers(seed, monkeypatch) -> None:
-    runs = _count_rules(monkeypatch)
+def test_fast_path_bumps_only_the_caller_buffers(seed, monkeypatch, count_calls) -> None:
+    runs = count_calls(prefill_mod, "_plan")
     prefill_mod._VALIDATED.clear()
     kda_prefill(**_gpu_case("buffers_vk_bf16"))
     kw = _gpu_case("buffers_vk_bf16")
@@ -303,8 +292,8 @@ def test_fast_path_bumps_only_the_caller_buffers(seed, monkeypatch) -> None:
 
 
 @gpu
-def test_calls_the_python_memo_would_check_still_run_the_rules(seed, monkeypatch) -> None:
-    runs = _count_rules(monkeypatch)
+def test_calls_the_python_memo_would_check_still_run_the_rules(seed, monkeypatch, count_calls) -> None:
+    runs = count_calls(prefill_mod, "_plan")
     kw = _gpu_case("varlen_pool")
     kda_prefill(**_clone(kw))
     kda_prefill(**_clone(kw))

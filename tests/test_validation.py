@@ -596,20 +596,9 @@ def fresh_memo():
     prefill_mod._VALIDATED.clear()
 
 
-def _count_rule_runs(monkeypatch) -> list[int]:
-    runs: list[int] = []
-    real = prefill_mod._validate_tensors
 
-    def counting(*args: Any, **kwargs: Any):
-        runs.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(prefill_mod, "_validate_tensors", counting)
-    return runs
-
-
-def test_validation_remembered_per_signature(fresh_memo, monkeypatch, seed) -> None:
-    runs = _count_rule_runs(monkeypatch)
+def test_validation_remembered_per_signature(fresh_memo, monkeypatch, seed, count_calls) -> None:
+    runs = count_calls(prefill_mod, "_validate_tensors")
     kw = _gate(output_final_state=True)
     o1, s1 = kda_prefill(**kw)
     assert len(runs) == 1 and len(fresh_memo) == 1
