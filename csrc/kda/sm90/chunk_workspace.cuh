@@ -37,6 +37,7 @@
 #include "shared_storage.cuh"
 #include "sm90_primitives.cuh"
 #include "tile_scheduler.cuh"
+#include "timeline.cuh"
 
 namespace cula::kda::sm90 {
 
@@ -182,6 +183,7 @@ __device__ __forceinline__ void run_chunk_claim_producer(const KdaKernelParams& 
       if (lane == 0) c = range.begin + atomicAdd(claim_counter(kp, u), 1);
       c = __shfl_sync(0xffffffffu, c, 0);
       if (c >= range.end) break;  // this stage stays free (its phases are done) for the next unit's chunk
+      if (lane == 0) timeline_mark(kp.coop.timeline, TimelineEvent::kClaim, tile.v_head, first + c, which);
       const int rows = tile.chunk_rows(c);
       const int64_t token = tile.token0 + int64_t(c) * kChunk;
       if (lane == 0) {
@@ -248,6 +250,7 @@ __device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, 
     cutlass::arch::ClusterBarrier::wait(&smem.head_ready_bar[pipe.stage], pipe.phase);
     if (st.rows < 0) break;
     const int v_head = st.ws_head, slot = st.ws_slot;
+    timeline_mark(kp.coop.timeline, TimelineEvent::kHeadReady, v_head, slot, which);
     uint8_t* dst = reinterpret_cast<uint8_t*>(workspace_stage(kp, v_head, slot));
     uint8_t* src = reinterpret_cast<uint8_t*>(&st);
     cute::SM90_BULK_COPY_S2G::copy(st.q, dst + offsetof(StageStorage, q), kTileBytes);
@@ -257,6 +260,7 @@ __device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, 
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     cutlass::arch::ClusterBarrier::arrive(&smem.head_empty_bar[pipe.stage]);
     cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
+    timeline_mark(kp.coop.timeline, TimelineEvent::kTailReady, v_head, slot, which);
     cute::SM90_BULK_COPY_S2G::copy(st.k, dst + offsetof(StageStorage, k), kTileBytes);
     cute::SM90_BULK_COPY_S2G::copy(st.v, dst + offsetof(StageStorage, v), kTileBytes);
     cute::SM90_BULK_COPY_S2G::copy(src + kTailOffset, dst + kTailOffset, kWorkspaceStageBytes - kTailOffset);
@@ -268,8 +272,10 @@ __device__ __forceinline__ void run_workspace_storer(const KdaKernelParams& kp, 
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
     asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(published_flag(kp, v_head, slot)), "r"(1) : "memory");
+    timeline_mark(kp.coop.timeline, TimelineEvent::kPublished, v_head, slot, which);
     if (!early) cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
   }
+  timeline_mark(kp.coop.timeline, TimelineEvent::kHelperCtaEnd, -1, -1, which);
 }
 
 // Owner producer (one warp): the tile's finished stages, in chunk order, into the ring, each once
@@ -293,12 +299,14 @@ __device__ __forceinline__ void run_workspace_loader(const KdaKernelParams& kp, 
         cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
         uint64_t* bar = &smem.full_bar[pipe.stage];
         if (lane == 0) {
+          timeline_mark(kp.coop.timeline, TimelineEvent::kOwnerStageFree, tile.v_head, first + c);
           const int* flag = published_flag(kp, tile.v_head, first + c);
           for (int ready = 0;;) {
             asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(ready) : "l"(flag) : "memory");
             if (ready) break;
             __nanosleep(100);
           }
+          timeline_mark(kp.coop.timeline, TimelineEvent::kOwnerFlagSeen, tile.v_head, first + c);
           asm volatile("fence.proxy.async.global;" ::: "memory");
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, kWorkspaceStageBytes);
           cute::SM90_BULK_COPY_G2S::copy(workspace_stage(kp, tile.v_head, first + c), bar, &st, kWorkspaceStageBytes);

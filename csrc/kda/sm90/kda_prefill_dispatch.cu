@@ -16,10 +16,13 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
+#include <cstdio>
 
 #include "kernel_params.cuh"
 #include "shared_storage.cuh"
 #include "tensor_map.h"
+#include "timeline.cuh"
 
 namespace cula::kda {
 
@@ -406,6 +409,34 @@ cudaError_t device_sm_count(int* sm_count) {
 }
 
 cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx);
+
+#ifdef CULA_KDA_TIMELINE
+// Timeline builds (timeline.cuh): one event buffer per process, zeroed before each cooperative
+// launch; with CULA_KDA_TIMELINE_FILE set, the launch is waited for and its events written there
+// as text lines `ns event extra cta v_head slot` (overwritten by each launch: the file holds the last).
+void* timeline_buffer(cudaStream_t stream) {
+  static void* buf = nullptr;
+  const size_t bytes = 16 + size_t(sm90::kTimelineCapacity) * sizeof(sm90::TimelineRecord);
+  if (buf == nullptr && cudaMalloc(&buf, bytes) != cudaSuccess) return nullptr;
+  cudaMemsetAsync(buf, 0, 16, stream);
+  return buf;
+}
+void timeline_write(void* buf, cudaStream_t stream) {
+  const char* path = std::getenv("CULA_KDA_TIMELINE_FILE");
+  if (buf == nullptr || path == nullptr || cudaStreamSynchronize(stream) != cudaSuccess) return;
+  unsigned long long count = 0;
+  cudaMemcpy(&count, buf, sizeof(count), cudaMemcpyDeviceToHost);
+  count = std::min<unsigned long long>(count, sm90::kTimelineCapacity);
+  std::vector<sm90::TimelineRecord> rec(count);
+  cudaMemcpy(rec.data(), static_cast<uint8_t*>(buf) + 16, count * sizeof(sm90::TimelineRecord), cudaMemcpyDeviceToHost);
+  if (FILE* f = std::fopen(path, "w")) {
+    for (const auto& r : rec)
+      std::fprintf(f, "%llu %u %u %u %d %d\n", (unsigned long long)r.ns, r.event & 0xffu, r.event >> 8, r.cta, r.v_head,
+                   r.slot);
+    std::fclose(f);
+  }
+}
+#endif
 }  // namespace
 
 const char* kda_prefill_sm90_last_error() { return g_last_error; }
@@ -508,6 +539,14 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
     kp.coop.sync = static_cast<int*>(workspace);
     kp.coop.matrices = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + plan.sync_bytes);
     kp.problem.workspace = static_cast<uint8_t*>(workspace) + plan.sync_bytes + plan.matrix_bytes;  // the stages
+#ifdef CULA_KDA_TIMELINE
+    kp.coop.timeline = timeline_buffer(stream);
+    struct WriteAfter {
+      void* buf;
+      cudaStream_t stream;
+      ~WriteAfter() { timeline_write(buf, stream); }
+    } write_after{kp.coop.timeline, stream};
+#endif
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if ((err = cudaStreamIsCapturing(stream, &capture)) != cudaSuccess) return err;
     if (capture == cudaStreamCaptureStatusNone && !env_is("CULA_KDA_SYNC_AREA", "workspace")) {

@@ -76,10 +76,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
   if constexpr (kCoop) {
     coop_role = cooperative_role(kp);
     if (coop_role.helper && kp.coop.helper_kernel) return;
+    if (threadIdx.x == 0)
+      timeline_mark(kp.coop.timeline, coop_role.helper ? TimelineEvent::kHelperCtaStart : TimelineEvent::kOwnerCtaStart, -1, -1);
   }
   if constexpr (kHelpers) {
     coop_role = cooperative_role(kp);
     if (!coop_role.helper) return;
+    if (threadIdx.x == 0) timeline_mark(kp.coop.timeline, TimelineEvent::kHelperCtaStart, -1, -1, 1);
     // The owners' kernel may start now: once every helper CTA runs (or has exited), the owners'
     // waits on published chunks always end (chunk_workspace.cuh: progress).
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -191,6 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     if constexpr (kCoop) {
       cutlass::arch::warpgroup_reg_alloc<kOwnerStateRegs>();
       run_owner_state_warpgroup<coop_aqk_is_half(kL2Norm)>(kp, smem, half, coop_role);
+      if (threadIdx.x % kWarpgroupThreads == 0) timeline_mark(kp.coop.timeline, TimelineEvent::kOwnerCtaEnd, -1, -1, half);
       // Two-kernel form: the launch's end (what the stream's next work waits for) must follow
       // the helpers' last writes too, so wait for the helpers' kernel to complete (at once by
       // now: every chunk was published, only the helpers' exits are left). Without a

@@ -95,6 +95,7 @@ struct CooperativePlan {
   bool early_release = true;
   int* sync = nullptr;         // flags and counters (zeroed per launch)
   float* matrices = nullptr;   // segments: P^T then S_out^T, [tiles x G][128 x 128] fp32 each
+  void* timeline = nullptr;    // -DCULA_KDA_TIMELINE builds only (timeline.cuh); null otherwise
 };
 
 struct KdaKernelParams {

@@ -31,6 +31,7 @@
 // intra warpgroup gives its registers back and the state warpgroups take kOwnerStateRegs.
 #pragma once
 
+#include "chunk_workspace.cuh"
 #include "kernel_params.cuh"
 #include "shared_storage.cuh"
 #include "sm90_primitives.cuh"
@@ -389,8 +390,11 @@ __device__ __forceinline__ void run_owner_state_warpgroup(const KdaKernelParams&
     const int unit = (tile.seq * p.num_v_heads + tile.v_head) * G + role.segment;
     float St[64];
     auto chain = [&](bool with_u, bool with_out) {
-      for (int c = range.begin; c < range.end; ++c, pipe.advance())
+      for (int c = range.begin; c < range.end; ++c, pipe.advance()) {
         owner_chunk_step<kAqkHalf>(p, smem, pipe, St, tile, c, with_u, with_out, staging, bar, half, tid, timer);
+        if (tid == 0)
+          timeline_mark(kp.coop.timeline, TimelineEvent::kOwnerChunkDone, tile.v_head, first_chunk_slot(tile) + c, half);
+      }
     };
     if (role.p_chain) {  // P^T of this segment, this half's rows: the chain from S^T = I with U = 0
       const int g4 = lane >> 2, t4 = lane & 3;
