@@ -87,6 +87,19 @@ def main() -> None:
     for key, ch in chain_of.items():
         if "published" in chunk[key]:
             per_chain[ch].append(chunk[key]["published"])
+    # A chain's first chunk (claim -> tail) against its later ones (tail to tail): the first runs
+    # on cold code (instruction fetch from L2 / HBM), the cost every launch pays once.
+    per_chain_chunks: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    for key, ch in chain_of.items():
+        if "tail" in chunk[key]:
+            per_chain_chunks[ch].append(key)
+    first_chunk, later_cycle = [], []
+    for keys in per_chain_chunks.values():
+        keys.sort(key=lambda k: chunk[k]["claim"])
+        first_chunk.append(chunk[keys[0]]["tail"] - chunk[keys[0]]["claim"])
+        later_cycle += [chunk[b]["tail"] - chunk[a]["tail"] for a, b in zip(keys, keys[1:])]
+    print(f"  chain's first chunk, claim -> tail {q(first_chunk)}")
+    print(f"  chain's later chunks, tail -> tail {q(later_cycle)}")
     counts = defaultdict(int)
     for v in per_chain.values():
         counts[len(v)] += 1
