@@ -110,29 +110,15 @@ std::pair<int64_t, int64_t> tma_strides(const at::Tensor& t, const char* name, c
   return {t.stride(1), t.stride(2)};
 }
 
-// Outputs that the call allocates itself (the eager fast path's o and final state), bound late
-// (cula::kda::OutputBinding): allocated right before the first kernel that writes them, which in
-// the cooperative mode's two-kernel form is after the helpers' kernel is launched, so that an
-// eager call's GPU work starts without waiting for them. Filled in by the call.
-struct DeferredOutputs {
-  bool o = false;                  // o: v's contiguous sibling
-  bool final_state = false;        // a final state of state_shape and state_dtype (no pool)
-  std::vector<int64_t> state_shape;
-  at::ScalarType state_dtype = at::kFloat;
-  at::Tensor o_tensor;             // the outputs, once bound
-  at::Tensor final_state_tensor;
-};
-
-void kda_prefill_sm90_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                           const at::Tensor& g_in, const at::Tensor& beta_in, const std::optional<at::Tensor>& A_log_in,
-                           const std::optional<at::Tensor>& dt_bias_in, const std::optional<at::Tensor>& initial_state_in,
-                           const std::optional<at::Tensor>& cu_seqlens_in,
-                           const std::optional<at::Tensor>& state_indices_in,
-                           const std::optional<at::Tensor>& has_initial_state_in, const at::Tensor& o_out,
-                           const std::optional<at::Tensor>& final_state_out, const std::optional<at::Tensor>& state_pool,
-                           double scale, std::optional<double> lower_bound, bool use_gate_in_kernel,
-                           bool use_qk_l2norm_in_kernel, bool use_beta_sigmoid_in_kernel, bool state_v_first,
-                           bool general_gates, DeferredOutputs* deferred) {
+void kda_prefill_sm90(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                      const at::Tensor& beta_in, const std::optional<at::Tensor>& A_log_in,
+                      const std::optional<at::Tensor>& dt_bias_in, const std::optional<at::Tensor>& initial_state_in,
+                      const std::optional<at::Tensor>& cu_seqlens_in, const std::optional<at::Tensor>& state_indices_in,
+                      const std::optional<at::Tensor>& has_initial_state_in, const at::Tensor& o_out,
+                      const std::optional<at::Tensor>& final_state_out, const std::optional<at::Tensor>& state_pool,
+                      double scale, std::optional<double> lower_bound, bool use_gate_in_kernel,
+                      bool use_qk_l2norm_in_kernel, bool use_beta_sigmoid_in_kernel, bool state_v_first,
+                      bool general_gates) {
   const at::Device device = q_in.device();
   // The copies below and the launch run on the current stream of the inputs' device.
   const c10::cuda::CUDAGuard guard(device);
@@ -147,12 +133,7 @@ void kda_prefill_sm90_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
   std::optional<at::Tensor> initial_state = initial_state_in;
   if (initial_state.has_value() && !state_readable(*initial_state)) initial_state = fresh(*initial_state);
   // Outputs the kernel cannot write in place: a dense buffer, copied into the caller's after the launch.
-  const bool late_o = deferred != nullptr && deferred->o;
-  const bool late_state = deferred != nullptr && deferred->final_state;
-  CULA_ASSERT(!late_o || !o_out.defined(), "a deferred o is allocated by the call");
-  CULA_ASSERT(!late_state || (!final_state_out.has_value() && !state_indices_in.has_value()),
-              "a deferred final state is allocated by the call, without a pool");
-  const at::Tensor o = late_o || (o_out.is_contiguous() && aligned16(o_out)) ? o_out : at::empty(o_out.sizes(), o_out.options());
+  const at::Tensor o = o_out.is_contiguous() && aligned16(o_out) ? o_out : at::empty(o_out.sizes(), o_out.options());
   std::optional<at::Tensor> final_state = final_state_out;
   if (final_state.has_value() && !state_readable(*final_state))
     final_state = at::empty(final_state->sizes(), final_state->options());
@@ -164,7 +145,7 @@ void kda_prefill_sm90_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
     if (final_state->stride(0) != row) final_state = at::empty(final_state->sizes(), final_state->options());
   }
 
-  if (!late_o) assert_dense_on(o, "o", device);
+  assert_dense_on(o, "o", device);
   CULA_ASSERT(q.dim() == 4 && k.sizes() == q.sizes(), "q and k must be [B, T, H, K], got ", q.sizes(), " and ",
               k.sizes());
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), K = q.size(3);
@@ -174,10 +155,9 @@ void kda_prefill_sm90_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
   CULA_ASSERT(H > 0 && HV >= H && HV % H == 0, "HV must be a positive multiple of H, got H=", H, " HV=", HV);
   CULA_ASSERT(g.sizes() == at::IntArrayRef({B, T, HV, K}), "g must be [B, T, HV, K], got ", g.sizes());
   CULA_ASSERT(beta.sizes() == at::IntArrayRef({B, T, HV}), "beta must be [B, T, HV], got ", beta.sizes());
-  if (!late_o) CULA_ASSERT(o.sizes() == v.sizes(), "o must be [B, T, HV, V] = ", v.sizes(), ", got ", o.sizes());
+  CULA_ASSERT(o.sizes() == v.sizes(), "o must be [B, T, HV, V] = ", v.sizes(), ", got ", o.sizes());
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&o, "o"}})
-    CULA_ASSERT((late_o && t == &o) || t->scalar_type() == at::kBFloat16, name, " must be bfloat16, got ",
-                t->scalar_type());
+    CULA_ASSERT(t->scalar_type() == at::kBFloat16, name, " must be bfloat16, got ", t->scalar_type());
   CULA_ASSERT(beta.scalar_type() == at::kFloat || beta.scalar_type() == at::kBFloat16,
               "beta must be float32 or bfloat16, got ", beta.scalar_type());
 
@@ -260,20 +240,6 @@ void kda_prefill_sm90_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
                   "initial_state and final_state must have the same row stride");
       stride = final_state->stride(0);
     }
-    if (late_state) {
-      // The final state will be a fresh [N, HV, K, V] (or V, K) tensor: rows HV K V apart, the
-      // initial state's rows too (else copied, as for a caller's final state above).
-      const int64_t row = HV * K * V;
-      if (initial_state.has_value() && initial_state->stride(0) != row) {
-        initial_state = fresh(*initial_state);
-        p.initial_state = initial_state->data_ptr();
-      }
-      CULA_ASSERT(deferred->state_shape == std::vector<int64_t>({N, head_shape[0], head_shape[1], head_shape[2]}) &&
-                      (deferred->state_dtype == at::kFloat || deferred->state_dtype == at::kBFloat16),
-                  "a deferred final state must be float32 or bfloat16 [N, ", at::IntArrayRef(head_shape), "]");
-      p.final_state_is_bf16 = deferred->state_dtype == at::kBFloat16;
-      stride = row;
-    }
     p.state_slot_stride = stride;
   }
   if (has_initial_state.has_value()) {
@@ -309,7 +275,7 @@ void kda_prefill_sm90_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
   p.v = v.data_ptr();
   p.g = g.data_ptr();
   p.beta = beta.data_ptr();
-  p.o = late_o ? nullptr : o.data_ptr();
+  p.o = o.data_ptr();
   p.batch = int(B);
   p.seqlen = int(T);
   p.num_seqs = int(N);
@@ -333,29 +299,7 @@ void kda_prefill_sm90_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
     at::TensorOptions options;
     at::Tensor tensor;
     std::exception_ptr error;
-    DeferredOutputs* deferred;
-    std::vector<int64_t> o_shape;
-    at::TensorOptions o_options;
-  } request{q.options().dtype(at::kByte), {}, nullptr, deferred, v.sizes().vec(),
-            v.options().memory_format(at::MemoryFormat::Contiguous)};
-  auto bind = [](cula::kda::KdaPrefillParams* params, void* ctx) -> bool {
-    auto* r = static_cast<WorkspaceRequest*>(ctx);
-    DeferredOutputs& d = *r->deferred;
-    try {
-      if (d.o) {
-        d.o_tensor = at::empty(r->o_shape, r->o_options);
-        params->o = d.o_tensor.data_ptr();
-      }
-      if (d.final_state) {
-        d.final_state_tensor = at::empty(d.state_shape, r->o_options.dtype(d.state_dtype));
-        params->final_state = d.final_state_tensor.data_ptr();
-      }
-      return true;
-    } catch (...) {
-      r->error = std::current_exception();
-      return false;
-    }
-  };
+  } request{q.options().dtype(at::kByte), {}, nullptr};
   auto allocate = [](size_t bytes, void* ctx) -> void* {
     auto* r = static_cast<WorkspaceRequest*>(ctx);
     try {
@@ -366,33 +310,12 @@ void kda_prefill_sm90_impl(const at::Tensor& q_in, const at::Tensor& k_in, const
       return nullptr;
     }
   };
-  const bool late = late_o || late_state;
-  const cudaError_t err = cula::kda::kda_prefill_sm90(p, at::cuda::getCurrentCUDAStream(device.index()), allocate,
-                                                      &request, late ? +bind : nullptr);
+  const cudaError_t err = cula::kda::kda_prefill_sm90(p, at::cuda::getCurrentCUDAStream(device.index()), allocate, &request);
   if (request.error) std::rethrow_exception(request.error);
   TORCH_CHECK(err == cudaSuccess, "kda_prefill_sm90 failed: ", cudaGetErrorString(err), " ",
               cula::kda::kda_prefill_sm90_last_error());
-  if (late && ((late_o && !deferred->o_tensor.defined()) || (late_state && !deferred->final_state_tensor.defined()))) {
-    bind(&p, &request);  // (a launch that returned without binding: the outputs exist all the same)
-    if (request.error) std::rethrow_exception(request.error);
-  }
-  if (!late_o && !o.is_same(o_out)) o_out.copy_(o);
+  if (!o.is_same(o_out)) o_out.copy_(o);
   if (final_state.has_value() && !final_state->is_same(*final_state_out)) final_state_out->copy_(*final_state);
-}
-
-// The op's CUDA implementation (outputs owned by the caller).
-void kda_prefill_sm90(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                      const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
-                      const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& initial_state,
-                      const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& state_indices,
-                      const std::optional<at::Tensor>& has_initial_state, const at::Tensor& o,
-                      const std::optional<at::Tensor>& final_state, const std::optional<at::Tensor>& state_pool,
-                      double scale, std::optional<double> lower_bound, bool use_gate_in_kernel,
-                      bool use_qk_l2norm_in_kernel, bool use_beta_sigmoid_in_kernel, bool state_v_first,
-                      bool general_gates) {
-  kda_prefill_sm90_impl(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, state_indices, has_initial_state, o,
-                        final_state, state_pool, scale, lower_bound, use_gate_in_kernel, use_qk_l2norm_in_kernel,
-                        use_beta_sigmoid_in_kernel, state_v_first, general_gates, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -572,35 +495,32 @@ py::object kda_prefill_fast(const py::args& a) {
   const bool pooled = a[kStateIndices].ptr() != Py_None;
   const bool state_vk = py::str(a[kStateLayout]).cast<std::string>() == "vk";
 
-  // As kda_prefill after its rules (on sm90 v's dtype is q's: o is v's contiguous sibling). The
-  // outputs this call allocates itself are bound late (DeferredOutputs): allocated once the launch
-  // is under way, not before it.
-  DeferredOutputs deferred;
-  deferred.o = !out.has_value();
+  // As kda_prefill after its rules (on sm90 v's dtype is q's: o is v's contiguous sibling).
+  const at::Tensor o = out.has_value() ? *out : at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   std::optional<at::Tensor> final_state = caller_final_state, state_pool;
+  std::optional<at::Tensor> result_state;
   if (pooled) {
     if (output_final_state) {
       state_pool = initial_state;
       initial_state = std::nullopt;
     }
-  } else if (output_final_state && !final_state.has_value()) {
-    const int64_t HV = v.size(2), K = q.size(3), V = v.size(3);
-    deferred.final_state = true;
-    deferred.state_shape = state_vk ? std::vector<int64_t>{plan.num_seqs, HV, V, K} : std::vector<int64_t>{plan.num_seqs, HV, K, V};
-    deferred.state_dtype = plan.state_dtype;
+    result_state = state_pool;
+  } else {
+    if (output_final_state && !final_state.has_value()) {
+      const int64_t HV = v.size(2), K = q.size(3), V = v.size(3);
+      const std::vector<int64_t> shape = state_vk ? std::vector<int64_t>{plan.num_seqs, HV, V, K}
+                                                  : std::vector<int64_t>{plan.num_seqs, HV, K, V};
+      final_state = at::empty(shape, q.options().dtype(plan.state_dtype));
+    }
+    result_state = final_state;
   }
   if (dt_bias.has_value() && dt_bias->dim() != 1) dt_bias = dt_bias->reshape(-1);
-  kda_prefill_sm90_impl(q, THPVariable_Unpack(a[kK].ptr()), v, THPVariable_Unpack(a[kG].ptr()),
-                        THPVariable_Unpack(a[kBeta].ptr()), optional_tensor(a[kALog]), dt_bias, initial_state,
-                        optional_tensor(a[kCuSeqlens]), optional_tensor(a[kStateIndices]),
-                        optional_tensor(a[kHasInitialState]), out.has_value() ? *out : at::Tensor(), final_state,
-                        state_pool, plan.scale, plan.lower_bound, PyObject_IsTrue(a[kGateInKernel].ptr()) == 1,
-                        PyObject_IsTrue(a[kL2Norm].ptr()) == 1, PyObject_IsTrue(a[kBetaSigmoid].ptr()) == 1, state_vk,
-                        !plan.bounded_decays, &deferred);
-  const at::Tensor o = deferred.o ? deferred.o_tensor : *out;
-  std::optional<at::Tensor> result_state = pooled ? state_pool
-                                           : deferred.final_state ? std::optional<at::Tensor>(deferred.final_state_tensor)
-                                                                  : final_state;
+  kda_prefill_sm90(q, THPVariable_Unpack(a[kK].ptr()), v, THPVariable_Unpack(a[kG].ptr()),
+                   THPVariable_Unpack(a[kBeta].ptr()), optional_tensor(a[kALog]), dt_bias, initial_state,
+                   optional_tensor(a[kCuSeqlens]), optional_tensor(a[kStateIndices]),
+                   optional_tensor(a[kHasInitialState]), o, final_state, state_pool, plan.scale, plan.lower_bound,
+                   PyObject_IsTrue(a[kGateInKernel].ptr()) == 1, PyObject_IsTrue(a[kL2Norm].ptr()) == 1,
+                   PyObject_IsTrue(a[kBetaSigmoid].ptr()) == 1, state_vk, !plan.bounded_decays);
   // The caller's buffers were written: their version counters move, as the op's dispatch does.
   for (const std::optional<at::Tensor>* t : std::initializer_list<const std::optional<at::Tensor>*>{&out, &caller_final_state, &state_pool})
     if (t->has_value() && !(*t)->is_inference()) torch::autograd::impl::bump_version(**t);

@@ -366,28 +366,25 @@ bool longest_first_schedule(const KdaPrefillParams& p, int sm_count) {
 // gate given or in the kernel x l2norm, for the decays `kDecays`; the softplus gate exists only in
 // the kernel (the call's gate_softplus implies use_gate_in_kernel).
 template <bool kLongestFirst, sm90::KernelPass kPass, sm90::Decays kDecays>
-cudaError_t launch_for_gate(const KdaPrefillParams& p, const sm90::KdaKernelParams& kp, int grid, cudaStream_t stream,
-                            const OutputBinding* late) {
+cudaError_t launch_for_gate(const KdaPrefillParams& p, const sm90::KdaKernelParams& kp, int grid, cudaStream_t stream) {
   if (p.use_gate_in_kernel || kDecays == sm90::Decays::kGeneralSoftplus)
-    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, kLongestFirst, kPass, kDecays>(kp, grid, stream, late)
-                           : sm90::launch_kda_prefill_kernel<true, false, kLongestFirst, kPass, kDecays>(kp, grid, stream, late);
+    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<true, true, kLongestFirst, kPass, kDecays>(kp, grid, stream)
+                           : sm90::launch_kda_prefill_kernel<true, false, kLongestFirst, kPass, kDecays>(kp, grid, stream);
   if constexpr (kDecays != sm90::Decays::kGeneralSoftplus)
-    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, kLongestFirst, kPass, kDecays>(kp, grid, stream, late)
-                           : sm90::launch_kda_prefill_kernel<false, false, kLongestFirst, kPass, kDecays>(kp, grid, stream, late);
+    return p.use_qk_l2norm ? sm90::launch_kda_prefill_kernel<false, true, kLongestFirst, kPass, kDecays>(kp, grid, stream)
+                           : sm90::launch_kda_prefill_kernel<false, false, kLongestFirst, kPass, kDecays>(kp, grid, stream);
   return cudaErrorInvalidValue;  // not reached: the softplus gate is in the kernel
 }
 
 // ... and for the call's decays: the safe-gate kernels, or (general_gates) the general-gate ones,
 // with the softplus gate in instantiations of its own.
-// `late` (OutputBinding): only for the two-kernel cooperative form, which binds the outputs between
-// its two launches; launch() binds them before every other launch.
 template <bool kLongestFirst, sm90::KernelPass kPass>
 cudaError_t launch_instantiation(const KdaPrefillParams& p, const sm90::KdaKernelParams& kp, int grid,
-                                 cudaStream_t stream, const OutputBinding* late = nullptr) {
-  if (!p.general_gates) return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kSafe>(p, kp, grid, stream, late);
+                                 cudaStream_t stream) {
+  if (!p.general_gates) return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kSafe>(p, kp, grid, stream);
   if (p.use_gate_in_kernel && p.gate_softplus)
-    return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kGeneralSoftplus>(p, kp, grid, stream, late);
-  return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kGeneral>(p, kp, grid, stream, late);
+    return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kGeneralSoftplus>(p, kp, grid, stream);
+  return launch_for_gate<kLongestFirst, kPass, sm90::Decays::kGeneral>(p, kp, grid, stream);
 }
 
 // The SM count of `device`, asked of the runtime once per device (it does not change while the
@@ -411,8 +408,7 @@ cudaError_t device_sm_count(int* sm_count) {
   return err;
 }
 
-cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx,
-                   OutputBinder bind);
+cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx);
 
 #ifdef CULA_KDA_TIMELINE
 // Timeline builds (timeline.cuh): one event buffer per process, zeroed before each cooperative
@@ -464,26 +460,18 @@ size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& p) {
 }
 
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream) {
-  return launch(p, stream, nullptr, nullptr, nullptr);
+  return launch(p, stream, nullptr, nullptr);
 }
 
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx) {
   if (allocate == nullptr) return invalid("kda_prefill_sm90: null workspace allocator");
-  return launch(p, stream, allocate, ctx, nullptr);
-}
-
-cudaError_t kda_prefill_sm90(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx,
-                             OutputBinder bind) {
-  if (allocate == nullptr) return invalid("kda_prefill_sm90: null workspace allocator");
-  return launch(p, stream, allocate, ctx, bind);
+  return launch(p, stream, allocate, ctx);
 }
 
 namespace {
 // kda_prefill_sm90 with the caller's workspace (allocate == nullptr: params.workspace) or one
-// allocated here through `allocate` once the launch is planned; with `bind`, the outputs bound
-// right before the first kernel that writes them (OutputBinding).
-cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx,
-                   OutputBinder bind) {
+// allocated here through `allocate` once the launch is planned.
+cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllocator allocate, void* ctx) {
   g_last_error = "";
   if (p.head_dim != 128) return invalid("head_dim must be 128");
   if (p.num_qk_heads <= 0 || p.num_v_heads < p.num_qk_heads || p.num_v_heads % p.num_qk_heads != 0)
@@ -497,7 +485,7 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   // o, beta, q, k, v, g have no element when there is no token: an empty tensor's data pointer
   // may be null (torch's allocators return null for 0 bytes), and none of them is touched then.
-  if (tokens > 0 && ((p.o == nullptr && bind == nullptr) || p.beta == nullptr)) return invalid("null output or beta");
+  if (tokens > 0 && (p.o == nullptr || p.beta == nullptr)) return invalid("null output or beta");
   if (tokens > 0 && (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.g == nullptr))
     return invalid("null input");
 
@@ -548,10 +536,6 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
       return invalid("the cooperative mode needs a workspace of kda_prefill_sm90_workspace_bytes() bytes");
     if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) return invalid("the workspace must be 16-byte aligned");
     kp.coop = plan.coop;
-    // The two-kernel form binds the outputs between its launches; the one-kernel form here.
-    const OutputBinding late{bind, ctx};
-    const OutputBinding* late_outputs = plan.coop.helper_kernel && bind != nullptr ? &late : nullptr;
-    if (bind != nullptr && late_outputs == nullptr && !bind(&kp.problem, ctx)) return cudaErrorMemoryAllocation;
     kp.coop.sync = static_cast<int*>(workspace);
     kp.coop.matrices = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + plan.sync_bytes);
     kp.problem.workspace = static_cast<uint8_t*>(workspace) + plan.sync_bytes + plan.matrix_bytes;  // the stages
@@ -570,7 +554,7 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
       const std::lock_guard<std::mutex> lock(g_sync_area_mutex);
       if (SyncArea* area = stream_sync_area(device, stream, plan.sync_bytes)) {
         kp.coop.sync = area->ptr;
-        err = launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream, late_outputs);
+        err = launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
         if (cudaMemsetAsync(area->ptr, 0, plan.sync_bytes, stream) != cudaSuccess) {
           cudaGetLastError();
           area->dirty = true;  // zeroed before the next launch instead
@@ -579,9 +563,8 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
       }
     }
     if ((err = cudaMemsetAsync(workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
-    return launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream, late_outputs);
+    return launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
   }
-  if (bind != nullptr && !bind(&kp.problem, ctx)) return cudaErrorMemoryAllocation;
   if (longest_first_schedule(p, sm_count)) {
     if ((err = schedule_workspace(device, stream, &kp.schedule)) != cudaSuccess) return err;
     return launch_instantiation<true, sm90::KernelPass::kFused>(p, kp, sm_count, stream);

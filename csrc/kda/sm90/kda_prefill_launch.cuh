@@ -31,8 +31,7 @@ cudaError_t opt_in_shared_memory(Kernel kernel, std::atomic<uint64_t>& set_mask)
 // Two-kernel form of the cooperative mode: the helpers' kernel, then the owners' (`owners`, the
 // kCooperative kernel) by programmatic dependent launch (kernel_params.cuh: CooperativePlan).
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays, typename Kernel>
-cudaError_t launch_helpers_then_owners(Kernel owners, const KdaKernelParams& kp, int grid, cudaStream_t stream,
-                                       const OutputBinding* late) {
+cudaError_t launch_helpers_then_owners(Kernel owners, const KdaKernelParams& kp, int grid, cudaStream_t stream) {
   auto helpers = kda_prefill_sm90_kernel<kGateInKernel, kL2Norm, false, KernelPass::kCoopHelpers, kDecays>;
   cudaError_t err = cudaSuccess;
   static std::atomic<uint64_t> helpers_mask{0};
@@ -49,18 +48,13 @@ cudaError_t launch_helpers_then_owners(Kernel owners, const KdaKernelParams& kp,
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = kp.coop.overlap_owners ? 1 : 0;
-  if (late == nullptr || late->bind == nullptr) return cudaLaunchKernelEx(&config, owners, kp);
-  // The outputs, allocated now (OutputBinding), go to the owners only.
-  KdaKernelParams owners_kp = kp;
-  if (!late->bind(&owners_kp.problem, late->ctx)) return cudaErrorMemoryAllocation;
-  return cudaLaunchKernelEx(&config, owners, owners_kp);
+  return cudaLaunchKernelEx(&config, owners, kp);
 }
 
 // kFused: one kernel. kCooperative: one kernel, or (kp.coop.helper_kernel) the helpers' kernel and
 // then the owners' (kernel_params.cuh: KernelPass), both over `grid` CTAs (one per SM).
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays>
-cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream,
-                                      const OutputBinding* late) {
+cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream) {
   static_assert(kPass == KernelPass::kFused || kPass == KernelPass::kCooperative, "a launch is of a mode");
   auto kernel = kda_prefill_sm90_kernel<kGateInKernel, kL2Norm, kLongestFirst, kPass, kDecays>;
   static std::atomic<uint64_t> set_mask{0};
@@ -71,7 +65,7 @@ cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaS
     return cudaGetLastError();
   }
   if constexpr (kPass == KernelPass::kCooperative)
-    return launch_helpers_then_owners<kGateInKernel, kL2Norm, kDecays>(kernel, kp, grid, stream, late);
+    return launch_helpers_then_owners<kGateInKernel, kL2Norm, kDecays>(kernel, kp, grid, stream);
   return cudaErrorInvalidValue;  // not reached: a fused launch returned above
 }
 

@@ -29,23 +29,6 @@ using WorkspaceAllocator = void* (*)(size_t bytes, void* ctx);
 cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream, WorkspaceAllocator allocate,
                              void* ctx);
 
-// Outputs bound late: a caller that allocates o and the final state itself for this call may
-// leave params.o and params.final_state null and pass `bind`, which the launch calls once, right
-// before the first kernel that writes either (in the cooperative mode's two-kernel form: after
-// the helpers' kernel, which reads neither, is launched), with the launch's copy of the params
-// and `ctx`; it sets o and (if wanted) final_state and returns true, or false, which fails the
-// call with cudaErrorMemoryAllocation. Every other field, final_state_is_bf16 and
-// state_slot_stride included, must be final before the call. An eager call's GPU work starts at
-// its first launch, so the output allocations then run while the helpers do (~7 us of host time
-// on an H100 machine's CPU, docs/perf-notes.md).
-using OutputBinder = bool (*)(KdaPrefillParams* params, void* ctx);
-struct OutputBinding {
-  OutputBinder bind = nullptr;
-  void* ctx = nullptr;
-};
-cudaError_t kda_prefill_sm90(const KdaPrefillParams& params, cudaStream_t stream, WorkspaceAllocator allocate,
-                             void* ctx, OutputBinder bind);
-
 // Bytes of device workspace that kda_prefill_sm90 needs for `params` on the current device: 0 when
 // it runs the fused kernel, else the cooperative mode's finished stages and flags (the caller
 // allocates them and sets params.workspace). Same decision as kda_prefill_sm90 (CULA_KDA_COOPERATIVE=0/1 forces it).
@@ -75,11 +58,8 @@ enum class Decays : int {
 };
 // One per file under instantiations/ (kda_prefill_launch.cuh). General decays: index order and
 // cooperative mode only.
-// `late`: the outputs' binding (OutputBinding above), for the two-kernel cooperative form only
-// (null otherwise: the dispatch binds before other launches).
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays = Decays::kSafe>
-cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream,
-                                      const OutputBinding* late = nullptr);
+cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream);
 }  // namespace sm90
 
 }  // namespace cula::kda

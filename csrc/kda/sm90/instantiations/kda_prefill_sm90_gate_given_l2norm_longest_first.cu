@@ -2,5 +2,5 @@
 #include "../kda_prefill_launch.cuh"
 
 namespace cula::kda::sm90 {
-template cudaError_t launch_kda_prefill_kernel<false, true, true, KernelPass::kFused>(const KdaKernelParams&, int, cudaStream_t, const OutputBinding*);
+template cudaError_t launch_kda_prefill_kernel<false, true, true, KernelPass::kFused>(const KdaKernelParams&, int, cudaStream_t);
 }  // namespace cula::kda::sm90

@@ -4,5 +4,5 @@
 #include "../kda_prefill_launch.cuh"
 
 namespace cula::kda::sm90 {
-template cudaError_t launch_kda_prefill_kernel<true, false, false, KernelPass::kCooperative, Decays::kGeneral>(const KdaKernelParams&, int, cudaStream_t, const OutputBinding*);
+template cudaError_t launch_kda_prefill_kernel<true, false, false, KernelPass::kCooperative, Decays::kGeneral>(const KdaKernelParams&, int, cudaStream_t);
 }  // namespace cula::kda::sm90
