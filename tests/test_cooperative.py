@@ -155,6 +155,12 @@ def test_tiles_per_owner_bitwise_one(spec: Spec, seed: int, monkeypatch):
         out[k] = run_sm90(inp)
     for k in ("2", "3", "4"):
         assert torch.equal(out["1"][0], out[k][0]) and torch.equal(out["1"][1], out[k][1]), f"{spec.id}: k={k}"
+    # Helpers whose tile runs out take the tile with the most chunks left (of the owners' current
+    # round) instead of one drawn in proportion: which helper computes a chunk never shows.
+    monkeypatch.setenv("CULA_KDA_TILES_PER_OWNER", "2")
+    monkeypatch.setenv("CULA_KDA_HELPER_PICK", "most")
+    o, s = run_sm90(inp)
+    assert torch.equal(out["1"][0], o) and torch.equal(out["1"][1], s), f"{spec.id}: k=2, helpers picking the most left"
     compare_to_reference(spec, inp, *out["4"], what=f"{spec.id} cooperative, 4 tiles per owner")
 
 
@@ -182,6 +188,8 @@ HELPER_FORMS = {
     "one_kernel": {"CULA_KDA_HELPER_KERNEL": "0"},
     "release_after_write": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_EARLY_RELEASE": "0"},
     "one_kernel_release_after_write": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_EARLY_RELEASE": "0"},
+    "pick_most": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_PICK": "most"},
+    "one_kernel_pick_most": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_HELPER_PICK": "most"},
 }
 HELPER_FORM_CASES = [
     pytest.param(varlen("mix", [3000, 1, 0, 64, 65, 130, 2000], H=2, HV=4, h0=True, layout="vk"), None, id="mix"),
@@ -215,7 +223,7 @@ def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, 
     monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
     def use_form(env: dict[str, str]) -> None:
         for name in ("CULA_KDA_HELPER_INTRA", "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_HELPER_KERNEL", "CULA_KDA_TILES_PER_OWNER",
-                     "CULA_KDA_EARLY_RELEASE"):
+                     "CULA_KDA_EARLY_RELEASE", "CULA_KDA_HELPER_PICK"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

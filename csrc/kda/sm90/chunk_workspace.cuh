@@ -121,6 +121,28 @@ __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int p
     for (int base = 0; base < units; base += 32) total += __reduce_add_sync(0xffffffffu, eligible(base + lane));
     if (total == 0) continue;  // taken since the first pass: draw again
     const uint32_t x = uint32_t(blockIdx.x) * 2654435769u + uint32_t(pick) * 3242174889u;
+    if (kp.coop.pick_most) {
+      // The unit with the most unclaimed chunks (of the lowest round), one of the tied ones by the
+      // same sequence: helpers that run out go where the most work is left. On fresh counts (they
+      // only fall): the units still at the most; if none is, pick again.
+      int most = 0;
+      for (int base = 0; base < units; base += 32)
+        most = max(most, int(__reduce_max_sync(0xffffffffu, uint32_t(eligible(base + lane)))));
+      if (most == 0) continue;
+      int count = 0;
+      for (int base = 0; base < units; base += 32) count += __popc(__ballot_sync(0xffffffffu, eligible(base + lane) >= most));
+      if (count == 0) continue;
+      int r = int((uint64_t(x) * uint64_t(count)) >> 32);  // in [0, count)
+      for (int base = 0; base < units; base += 32) {
+        uint32_t hit = __ballot_sync(0xffffffffu, eligible(base + lane) >= most);
+        if (r < __popc(hit)) {
+          for (; r > 0; --r) hit &= hit - 1;  // the r-th of them
+          return base + __ffs(hit) - 1;
+        }
+        r -= __popc(hit);
+      }
+      continue;
+    }
     const int64_t r = int64_t((uint64_t(x) * uint64_t(total)) >> 32);  // in [0, total)
     // Second pass on fresh counts (they only fall): the unit where the running sum passes r. If
     // claims in between took the chunks past r, draw again.

@@ -297,6 +297,9 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   // The helpers' storer releases a stage once its copy has read it (=0: after the write has
   // landed; same results).
   plan.coop.early_release = !env_is("CULA_KDA_EARLY_RELEASE", "0");
+  // How a helper whose unit ran out picks the next (chunk_workspace.cuh: pick_helper_unit):
+  // CULA_KDA_HELPER_PICK=most (read per call) takes the unit with the most chunks left.
+  plan.coop.pick_most = env_is("CULA_KDA_HELPER_PICK", "most");
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
   // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a
   // chunk in ~12-13 us and the owner's chain takes ~2.6 us per chunk (docs/perf-notes.md), so a

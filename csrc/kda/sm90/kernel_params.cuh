@@ -93,6 +93,9 @@ struct CooperativePlan {
   bool overlap_owners = true;
   // Helpers (chunk_workspace.cuh): release a stage once the storer's copy has read it.
   bool early_release = true;
+  // Helpers whose unit ran out take the unit with the most unclaimed chunks (pick_helper_unit),
+  // instead of one drawn in proportion to them.
+  bool pick_most = false;
   int* sync = nullptr;         // flags and counters (zeroed per launch)
   float* matrices = nullptr;   // segments: P^T then S_out^T, [tiles x G][128 x 128] fp32 each
   void* timeline = nullptr;    // -DCULA_KDA_TIMELINE builds only (timeline.cuh); null otherwise
