@@ -156,11 +156,13 @@ def test_tiles_per_owner_bitwise_one(spec: Spec, seed: int, monkeypatch):
     for k in ("2", "3", "4"):
         assert torch.equal(out["1"][0], out[k][0]) and torch.equal(out["1"][1], out[k][1]), f"{spec.id}: k={k}"
     # Helpers whose tile runs out take the tile with the most chunks left (of the owners' current
-    # round) instead of one drawn in proportion: which helper computes a chunk never shows.
+    # round) or one drawn in proportion (the host picks by the tiles' length; both forced here):
+    # which helper computes a chunk never shows.
     monkeypatch.setenv("CULA_KDA_TILES_PER_OWNER", "2")
-    monkeypatch.setenv("CULA_KDA_HELPER_PICK", "most")
-    o, s = run_sm90(inp)
-    assert torch.equal(out["1"][0], o) and torch.equal(out["1"][1], s), f"{spec.id}: k=2, helpers picking the most left"
+    for pick in ("most", "draw"):
+        monkeypatch.setenv("CULA_KDA_HELPER_PICK", pick)
+        o, s = run_sm90(inp)
+        assert torch.equal(out["1"][0], o) and torch.equal(out["1"][1], s), f"{spec.id}: k=2, helpers' pick {pick}"
     compare_to_reference(spec, inp, *out["4"], what=f"{spec.id} cooperative, 4 tiles per owner")
 
 
@@ -189,7 +191,9 @@ HELPER_FORMS = {
     "release_after_write": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_EARLY_RELEASE": "0"},
     "one_kernel_release_after_write": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_EARLY_RELEASE": "0"},
     "pick_most": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_PICK": "most"},
+    "pick_draw": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_PICK": "draw"},
     "one_kernel_pick_most": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_HELPER_PICK": "most"},
+    "one_kernel_pick_draw": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_HELPER_PICK": "draw"},
 }
 HELPER_FORM_CASES = [
     pytest.param(varlen("mix", [3000, 1, 0, 64, 65, 130, 2000], H=2, HV=4, h0=True, layout="vk"), None, id="mix"),

@@ -106,6 +106,10 @@ __device__ __forceinline__ int unit_round(const KdaKernelParams& kp, int unit) {
 // draw is a golden-ratio sequence over (CTA, pick), so the helpers of one launch take well-spread
 // units; which helper computes a chunk never changes the results. Only the units of the lowest
 // round with unclaimed chunks are drawn, so that each owner's current tile is computed first.
+// With CooperativePlan::pick_most the helper takes instead the unit with the most unclaimed
+// chunks (of that round; one of the tied units by the same sequence): on long tiles the random
+// draw leaves some tiles with few helpers for a long time, whose owners then end last (timelines:
+// docs/perf-notes.md); on tiles of 16 chunks the draw measured faster.
 __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int pick) {
   const int lane = threadIdx.x & 31;
   const int units = num_units(kp);

@@ -297,9 +297,15 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   // The helpers' storer releases a stage once its copy has read it (=0: after the write has
   // landed; same results).
   plan.coop.early_release = !env_is("CULA_KDA_EARLY_RELEASE", "0");
-  // How a helper whose unit ran out picks the next (chunk_workspace.cuh: pick_helper_unit):
-  // CULA_KDA_HELPER_PICK=most (read per call) takes the unit with the most chunks left.
-  plan.coop.pick_most = env_is("CULA_KDA_HELPER_PICK", "most");
+  // How a helper whose unit ran out picks the next (chunk_workspace.cuh: pick_helper_unit): the
+  // unit with the most chunks left where tiles are 32 chunks or longer, else one drawn in
+  // proportion to the chunks left. Same-process A/Bs on an H100 (docs/perf-notes.md), graph time
+  // most / draw: B1 T8192 H64 -7..-9 %, T4096 H64 -5 %, T2048 H64 -0.5..-4 %, T65536 H4 (segments)
+  // -1 %, T32768 H8 and varlen 30000 + 3 within 1 %, but B1 T1024 H64 (16 chunks) +4..+5 %.
+  // CULA_KDA_HELPER_PICK=most / =draw (read per call) forces either.
+  plan.coop.pick_most = chunks_per_tile >= 32;
+  if (env_is("CULA_KDA_HELPER_PICK", "most")) plan.coop.pick_most = true;
+  if (env_is("CULA_KDA_HELPER_PICK", "draw")) plan.coop.pick_most = false;
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
   // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a
   // chunk in ~12-13 us and the owner's chain takes ~2.6 us per chunk (docs/perf-notes.md), so a

@@ -94,7 +94,7 @@ struct CooperativePlan {
   // Helpers (chunk_workspace.cuh): release a stage once the storer's copy has read it.
   bool early_release = true;
   // Helpers whose unit ran out take the unit with the most unclaimed chunks (pick_helper_unit),
-  // instead of one drawn in proportion to them.
+  // instead of one drawn in proportion to them (the host's rule: kda_prefill_dispatch.cu).
   bool pick_most = false;
   int* sync = nullptr;         // flags and counters (zeroed per launch)
   float* matrices = nullptr;   // segments: P^T then S_out^T, [tiles x G][128 x 128] fp32 each
