@@ -2,7 +2,7 @@
 """Summarise a cooperative launch's event timeline (a -DCULA_KDA_TIMELINE build, csrc/kda/sm90/timeline.cuh).
 
     CULA_KDA_TIMELINE_FILE=/tmp/tl.txt kda_standalone 1 1024 64 64 3   # any call; the file holds the last launch
-    python3 scripts/coop_timeline.py /tmp/tl.txt [--owners N]
+    python3 scripts/coop_timeline.py /tmp/tl.txt [--bin-us 10]
 
 Prints, in microseconds from the launch's first event: when the CTAs of each role started and
 ended, the helpers' chunk latencies (claim -> head -> tail -> published) and throughput over time,
