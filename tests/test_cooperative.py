@@ -194,6 +194,10 @@ HELPER_FORMS = {
     "pick_draw": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_PICK": "draw"},
     "one_kernel_pick_most": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_HELPER_PICK": "most"},
     "one_kernel_pick_draw": {"CULA_KDA_HELPER_KERNEL": "0", "CULA_KDA_HELPER_PICK": "draw"},
+    "no_warm_code": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_WARM": "0"},
+    "warm_code_5": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_WARM": "5"},
+    "one_intra_warpgroup_no_warm_code": {"CULA_KDA_HELPER_KERNEL": "1", "CULA_KDA_HELPER_INTRA": "1",
+                                         "CULA_KDA_HELPER_WARM": "0"},
 }
 HELPER_FORM_CASES = [
     pytest.param(varlen("mix", [3000, 1, 0, 64, 65, 130, 2000], H=2, HV=4, h0=True, layout="vk"), None, id="mix"),
@@ -227,7 +231,7 @@ def test_helper_forms_bitwise_equal(spec: Spec, variant: str | None, seed: int, 
     monkeypatch.delenv("CULA_KDA_VALUE_SPLIT", raising=False)
     def use_form(env: dict[str, str]) -> None:
         for name in ("CULA_KDA_HELPER_INTRA", "CULA_KDA_OVERLAP_OWNERS", "CULA_KDA_HELPER_KERNEL", "CULA_KDA_TILES_PER_OWNER",
-                     "CULA_KDA_EARLY_RELEASE", "CULA_KDA_HELPER_PICK"):
+                     "CULA_KDA_EARLY_RELEASE", "CULA_KDA_HELPER_PICK", "CULA_KDA_HELPER_WARM"):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, value)

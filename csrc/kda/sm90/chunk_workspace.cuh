@@ -121,9 +121,6 @@ __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int p
     }
     if (round == INT_MAX) return -1;
     auto eligible = [&](int u) { return u < units && unit_round(kp, u) == round ? unclaimed_chunks(kp, u) : 0; };
-    int64_t total = 0;
-    for (int base = 0; base < units; base += 32) total += __reduce_add_sync(0xffffffffu, eligible(base + lane));
-    if (total == 0) continue;  // taken since the first pass: draw again
     const uint32_t x = uint32_t(blockIdx.x) * 2654435769u + uint32_t(pick) * 3242174889u;
     if (kp.coop.pick_most) {
       // The unit with the most unclaimed chunks (of the lowest round), one of the tied ones by the
@@ -147,6 +144,9 @@ __device__ __forceinline__ int pick_helper_unit(const KdaKernelParams& kp, int p
       }
       continue;
     }
+    int64_t total = 0;
+    for (int base = 0; base < units; base += 32) total += __reduce_add_sync(0xffffffffu, eligible(base + lane));
+    if (total == 0) continue;  // taken since the first pass: draw again
     const int64_t r = int64_t((uint64_t(x) * uint64_t(total)) >> 32);  // in [0, total)
     // Second pass on fresh counts (they only fall): the unit where the running sum passes r. If
     // claims in between took the chunks past r, draw again.

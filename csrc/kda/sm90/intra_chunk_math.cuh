@@ -717,12 +717,18 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
 //
 // kHelperHalfInverse (cooperative helpers, kFoldDecay): the inverse with fp16 operands too; only the
 // helpers' kernel takes it (kda_prefill_kernel.cuh: kHelperIntraRegs).
+//
+// warm_from (the cooperative helpers' chain: CooperativePlan::warm_entries): > 0 runs the chain
+// without data from that step on (1: everything; 4, 5, 6, 7, 8: from the A products, the masks,
+// step 6, the inverse, the W / U products), for nothing but fetching its code; the steps skipped
+// leave their register results at 0, and nothing leaves the warpgroup (no head_ready). 0: a real
+// chunk.
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays = Decays::kSafe, bool kFoldDecay = false,
           bool kPrepped = false, bool kAqkHalf = false, bool kFoldM = false, bool kHelperHalfInverse = false>
 __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const IntraScratch& ws, StageStorage& st, int rows,
                                             float gate_scale, float2 gate_bias, int tid, PhaseTimer& timer,
                                             uint64_t* m_tile_empty = nullptr, uint32_t m_tile_phase = 0,
-                                            uint64_t* head_ready = nullptr) {
+                                            uint64_t* head_ready = nullptr, int warm_from = 0) {
   // Steps 1-3 of the warpgroup's own prep write the scratch before the wait for the M tile.
   static_assert(!kFoldM || kPrepped, "the folded M tile needs the prep done ahead");
   const int warp = tid >> 5, lane = tid & 31;
@@ -736,8 +742,9 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     // or the fused kernels' state warpgroups, whose A_qk v_new and state update are fp16.
     static_assert(!kHalf || kFoldDecay || kAqkHalf, "fp16 KT needs an fp16 state update");
     if constexpr (!kPrepped) {
-      intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rnorm, row_stats, ws.a_ref, rows,
-                                                               gate_scale, gate_bias, tid);
+      if (warm_from <= 1)
+        intra_prepare_operands<kGateInKernel, kL2Norm, kDecays>(p, ws, st, rnorm, row_stats, ws.a_ref, rows,
+                                                                 gate_scale, gate_bias, tid);
     } else if constexpr (kGeneral) {
       // Prepped general gates: each (block, feature)'s factor reference from the block ends and
       // the wide flags (chunk_prep.cuh): r_b, or r_{b-1} (0 for block 0) for a wide feature.
@@ -754,7 +761,14 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     timer.mark(1);
 
     float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
-    intra_attention_matrices<kGeneral, kHalf>(st, ws.a_ref, warp, lane, aqk, akk);
+    if (warm_from <= 4) {
+      intra_attention_matrices<kGeneral, kHalf>(st, ws.a_ref, warp, lane, aqk, akk);
+    } else {
+#pragma unroll
+      for (int bj = 0; bj < kNumSubBlocks; ++bj)
+#pragma unroll
+        for (int r = 0; r < 8; ++r) aqk[bj][r] = akk[bj][r] = 0.f;
+    }
     timer.mark(2);
     // kFoldM: the M tile of the previous chunk lies over the diagonal-block scratch that step 5
     // writes; wait until both state warpgroups have read it (early in their chain: after S's tile,
@@ -765,64 +779,69 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     // Step 5: masks and beta. A_qk -> stage (bf16, strictly lower: its diagonal is st.aqk_diag);
     // A = beta_i A_kk: its blocks below the diagonal stay in registers (a_off, m64n64
     // accumulator layout) and its diagonal blocks go to the scratch for the forward substitution.
-    const float beta_lo = st.beta[kSubBlock * warp + g4];
-    const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
     float a_off[8 * (kNumSubBlocks - 1)];
-    // General gates: the exact diagonal-block terms of the wide features (prep), the two warp
-    // partials added in a fixed order.
-    float corr_qk[2][2][2] = {}, corr_kk[2][2][2] = {};  // [n8][h2][element]
-    if constexpr (kGeneral) {
+    if (warm_from > 5) {
 #pragma unroll
-      for (int n8 = 0; n8 < 2; ++n8)
+      for (int x = 0; x < 8 * (kNumSubBlocks - 1); ++x) a_off[x] = 0.f;
+    } else {
+      const float beta_lo = st.beta[kSubBlock * warp + g4];
+      const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
+      // General gates: the exact diagonal-block terms of the wide features (prep), the two warp
+      // partials added in a fixed order.
+      float corr_qk[2][2][2] = {}, corr_kk[2][2][2] = {};  // [n8][h2][element]
+      if constexpr (kGeneral) {
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2)
+        for (int n8 = 0; n8 < 2; ++n8)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int at = (g4 + 8 * h2) * kSubBlock + 8 * n8 + 2 * t4 + e;
-            if constexpr (kPrepped) {  // summed by the prep, in the A_qk tile (chunk_prep.cuh)
-              const float* corr = reinterpret_cast<const float*>(st.aqk);
-              corr_qk[n8][h2][e] = corr[(warp * 2 + 0) * 256 + at];
-              corr_kk[n8][h2][e] = corr[(warp * 2 + 1) * 256 + at];
-            } else {
-              corr_qk[n8][h2][e] = wide_corrections(ws, warp, 0, 0)[at] + wide_corrections(ws, warp, 1, 0)[at];
-              corr_kk[n8][h2][e] = wide_corrections(ws, warp, 0, 1)[at] + wide_corrections(ws, warp, 1, 1)[at];
+          for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int at = (g4 + 8 * h2) * kSubBlock + 8 * n8 + 2 * t4 + e;
+              if constexpr (kPrepped) {  // summed by the prep, in the A_qk tile (chunk_prep.cuh)
+                const float* corr = reinterpret_cast<const float*>(st.aqk);
+                corr_qk[n8][h2][e] = corr[(warp * 2 + 0) * 256 + at];
+                corr_kk[n8][h2][e] = corr[(warp * 2 + 1) * 256 + at];
+              } else {
+                corr_qk[n8][h2][e] = wide_corrections(ws, warp, 0, 0)[at] + wide_corrections(ws, warp, 1, 0)[at];
+                corr_kk[n8][h2][e] = wide_corrections(ws, warp, 0, 1)[at] + wide_corrections(ws, warp, 1, 1)[at];
+              }
             }
-          }
-      // Every warp has read the corrections before A_qk is written over them.
-      if constexpr (kPrepped) named_barrier_sync(ws.bar, 128);
-    }
+        // Every warp has read the corrections before A_qk is written over them.
+        if constexpr (kPrepped) named_barrier_sync(ws.bar, 128);
+      }
 #pragma unroll
-    for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+      for (int bj = 0; bj < kNumSubBlocks; ++bj) {
 #pragma unroll
-      for (int n8 = 0; n8 < 2; ++n8) {
+        for (int n8 = 0; n8 < 2; ++n8) {
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = kSubBlock * warp + g4 + 8 * h2;
-          const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
-          const int r = n8 * 4 + h2 * 2;
-          const float bi = h2 ? beta_hi : beta_lo;
-          if constexpr (kGeneral) {
-            if (bj == warp) {
-              aqk[bj][r] += corr_qk[n8][h2][0];
-              aqk[bj][r + 1] += corr_qk[n8][h2][1];
-              akk[bj][r] += corr_kk[n8][h2][0];
-              akk[bj][r + 1] += corr_kk[n8][h2][1];
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int i = kSubBlock * warp + g4 + 8 * h2;
+            const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
+            const int r = n8 * 4 + h2 * 2;
+            const float bi = h2 ? beta_hi : beta_lo;
+            if constexpr (kGeneral) {
+              if (bj == warp) {
+                aqk[bj][r] += corr_qk[n8][h2][0];
+                aqk[bj][r + 1] += corr_qk[n8][h2][1];
+                akk[bj][r] += corr_kk[n8][h2][0];
+                akk[bj][r + 1] += corr_kk[n8][h2][1];
+              }
             }
-          }
-          const float q0 = (j < i) ? aqk[bj][r] : 0.f;
-          const float q1 = (j + 1 < i) ? aqk[bj][r + 1] : 0.f;
-          *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) =
-              kAqkHalf ? float2_to_half2(q0, q1) : float2_to_bf16x2(q0, q1);
-          const float a0 = (j < i) ? akk[bj][r] * bi : 0.f;
-          const float a1 = (j + 1 < i) ? akk[bj][r + 1] * bi : 0.f;
-          if (bj == warp) {  // transposed: row j of the scratch block is column j of A_d
-            float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
-            dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
-            dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
-          }
-          if (bj < kNumSubBlocks - 1) {
-            a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
-            a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
+            const float q0 = (j < i) ? aqk[bj][r] : 0.f;
+            const float q1 = (j + 1 < i) ? aqk[bj][r + 1] : 0.f;
+            *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) =
+                kAqkHalf ? float2_to_half2(q0, q1) : float2_to_bf16x2(q0, q1);
+            const float a0 = (j < i) ? akk[bj][r] * bi : 0.f;
+            const float a1 = (j + 1 < i) ? akk[bj][r + 1] * bi : 0.f;
+            if (bj == warp) {  // transposed: row j of the scratch block is column j of A_d
+              float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
+              dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
+              dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
+            }
+            if (bj < kNumSubBlocks - 1) {
+              a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
+              a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
+            }
           }
         }
       }
@@ -835,7 +854,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     // into the columns of M, whose unit diagonal would then carry one bf16 rounding of beta_j into
     // everything row j contributes; U takes it differently (step 8). (Fused kernels: KG is the
     // state warpgroups' operand of X = KG S, same rounding.)
-    {
+    if (warm_from <= 6) {
       const int h = tid >> 6, cp = tid & 63;
       const PairColumn addr(cp);
 #pragma unroll
@@ -898,7 +917,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
       // step 6's stores past them.)
       asm volatile("" ::: "memory");
       fence_smem_to_async_proxy();
-      cutlass::arch::ClusterBarrier::arrive(head_ready);
+      if (warm_from == 0) cutlass::arch::ClusterBarrier::arrive(head_ready);
     }
     timer.mark(4);
     // Step 7: M = (I + A)^-1 (unit_lower_inverse.cuh), all products on the tensor cores. Its first
@@ -909,10 +928,14 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     // the helpers' kernel with kHelperIntraRegs (kda_prefill_kernel.cuh; at kIntraRegs its
     // fragments made ptxas serialise every WGMMA of that kernel, C7512). The one-kernel form's
     // helpers keep tf32: with the fp16 inverse its chain-bound row B1 T32768 H8 ran 10 % slower on H100.
-    if constexpr (half_inverse(kL2Norm) && (!kFoldDecay || kHelperHalfInverse))
+    if (warm_from > 7) {
+#pragma unroll
+      for (int x = 0; x < 32; ++x) m[x] = 0.f;
+    } else if constexpr (half_inverse(kL2Norm) && (!kFoldDecay || kHelperHalfInverse)) {
       invert_unit_lower_half(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
-    else
+    } else {
       invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
+    }
     timer.mark(5);
 
     if constexpr (kFoldM) {
@@ -1023,9 +1046,15 @@ __device__ __forceinline__ void gate_parameters(const KdaPrefillParams& p, int v
 //
 // kPrepAhead (fused kernel): the state warpgroups prepared each stage (steps 1-3,
 // chunk_prep.cuh); the warpgroup waits for that (`prepped`) instead of the load (`full`).
+//
+// warm_from > 0 (kChunkSlots: an owner-region CTA of the helpers' kernel, CooperativePlan::
+// warm_entries): one pass of the chunk's code from step warm_from on, on whatever the stage holds,
+// through the same call site as the real chunks (the code to bring into L2 is that copy), then
+// return; no barrier but the warpgroup's own.
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, bool kChunkSlots, Decays kDecays = Decays::kSafe,
           bool kPrepAhead = false, bool kHelperHalfInverse = false>
-__device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem, int which = 0) {
+__device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, SharedStorage& smem, int which = 0,
+                                                int warm_from = 0) {
   const KdaPrefillParams& p = kp.problem;
   // The thread's index in its warpgroup (1 or, for a helper's second intra warpgroup, 2), the same
   // expression for both: see the kernel's helper branch (C7518).
@@ -1038,27 +1067,33 @@ __device__ __forceinline__ void run_intra_chunk(const KdaKernelParams& kp, Share
   if constexpr (kChunkSlots) {
     const int step = kp.coop.helper_intra;  // ring steps between this warpgroup's stages
     for (int s = 0; s < which; ++s) pipe.advance();
-    float gate_scale;
-    float2 gate_bias;
+    float gate_scale = 1.f;
+    float2 gate_bias = make_float2(0.f, 0.f);
     int gate_head = -1;
     for (;;) {
       StageStorage& st = smem.stage[pipe.stage];
-      cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
-      const int rows = warp_uniform(st.rows);
+      int rows = kChunk;  // warm pass: a full chunk's code
+      if (warm_from == 0) {
+        cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+        rows = warp_uniform(st.rows);
+      }
       if (rows >= 0) {
-        const int v_head = warp_uniform(st.ws_head);
-        if (v_head != gate_head) {
-          gate_parameters<kGateInKernel>(p, v_head, tid, gate_scale, gate_bias);
-          gate_head = v_head;
+        if (warm_from == 0) {
+          const int v_head = warp_uniform(st.ws_head);
+          if (v_head != gate_head) {
+            gate_parameters<kGateInKernel>(p, v_head, tid, gate_scale, gate_bias);
+            gate_head = v_head;
+          }
         }
         timer.mark(0);
         intra_chunk<kGateInKernel, kL2Norm, kDecays, /*kFoldDecay=*/true, /*kPrepped=*/false, coop_aqk_is_half(kL2Norm),
                     /*kFoldM=*/false, kHelperHalfInverse>(p, ws, st, rows, gate_scale, gate_bias, tid, timer, nullptr, 0,
-                                                          &smem.head_ready_bar[pipe.stage]);
+                                                          &smem.head_ready_bar[pipe.stage], warm_from);
         fence_smem_to_async_proxy();  // the storer's bulk copy reads the stage
       } else {
         cutlass::arch::ClusterBarrier::arrive(&smem.head_ready_bar[pipe.stage]);  // the end mark, to the storer
       }
+      if (warm_from > 0) break;
       cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);  // to the storer
       if (rows < 0) break;
       timer.mark(6);

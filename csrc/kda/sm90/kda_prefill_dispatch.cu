@@ -297,6 +297,14 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   // The helpers' storer releases a stage once its copy has read it (=0: after the write has
   // landed; same results).
   plan.coop.early_release = !env_is("CULA_KDA_EARLY_RELEASE", "0");
+  // The helpers' kernel's owner region warms the helpers' intra-chunk code (CooperativePlan::
+  // warm_entries; same results). Same-process A/Bs on an H100 (docs/perf-notes.md), graph time
+  // with 6 entries against none: B1 T1024 H64 -4..-5 %, T2048 H64 -3..-4 %, T8192 H64 -1..-2 %;
+  // 5 entries (not step 1) gained less. CULA_KDA_HELPER_WARM=0 / 5 / 6 (read per call) sets the
+  // number of entry steps.
+  plan.coop.warm_entries = 6;
+  if (env_is("CULA_KDA_HELPER_WARM", "0")) plan.coop.warm_entries = 0;
+  if (env_is("CULA_KDA_HELPER_WARM", "5")) plan.coop.warm_entries = 5;
   // How a helper whose unit ran out picks the next (chunk_workspace.cuh: pick_helper_unit): the
   // unit with the most chunks left where tiles are 32 chunks or longer, else one drawn in
   // proportion to the chunks left. Same-process A/Bs on an H100 (docs/perf-notes.md), graph time

@@ -48,6 +48,10 @@ constexpr uint32_t kHelperProducerRegs = 56;
 // the tf32 inverse (intra_chunk_math.cuh says why).
 constexpr uint32_t kHelperIntraRegs = 208;
 static_assert(kHelperProducerRegs + 2 * kHelperIntraRegs + kProducerRegs <= 65536 / 128, "register budget of a helper CTA");
+// The step at which the k-th warm pass enters the helpers' intra-chunk code (intra_chunk:
+// warm_from), with n entries in turn (CooperativePlan::warm_entries): 4 (the A products) to 8 (W
+// and U), and with n = 6 also step 1 (the whole chunk).
+__device__ __forceinline__ int warm_entry(int k, int n) { return n == 6 ? (k == 0 ? 1 : k + 3) : k + 4; }
 // Cooperative tile owners (owner_state_math.cuh): no intra-chunk work, so its warpgroup drops to
 // kProducerRegs and the state warpgroups take the rest.
 constexpr uint32_t kOwnerStateRegs = 232;
@@ -79,10 +83,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     if (threadIdx.x == 0)
       timeline_mark(kp.coop.timeline, coop_role.helper ? TimelineEvent::kHelperCtaStart : TimelineEvent::kOwnerCtaStart, -1, -1);
   }
+  // The helpers' kernel's owner-region CTAs with warm entries: one pass of the intra-chunk code
+  // without data, then exit (CooperativePlan::warm_entries).
+  [[maybe_unused]] bool warm = false;
   if constexpr (kHelpers) {
     coop_role = cooperative_role(kp);
-    if (!coop_role.helper) return;
-    if (threadIdx.x == 0) timeline_mark(kp.coop.timeline, TimelineEvent::kHelperCtaStart, -1, -1, 1);
+    warm = !coop_role.helper && kp.coop.warm_entries > 0;
+    if (!coop_role.helper && !warm) return;
+    if (threadIdx.x == 0 && !warm) timeline_mark(kp.coop.timeline, TimelineEvent::kHelperCtaStart, -1, -1, 1);
     // The owners' kernel may start now: once every helper CTA runs (or has exited), the owners'
     // waits on published chunks always end (chunk_workspace.cuh: progress).
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -143,18 +151,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     // same thread-index expression (run_intra_chunk).
     if (role == WarpgroupRole::kProducer) {
       cutlass::arch::warpgroup_reg_dealloc<kHelperProducerRegs>();
-      if (threadIdx.x / 32 < kp.coop.helper_intra) run_chunk_claim_producer(kp, smem, threadIdx.x / 32);
+      if (!warm && threadIdx.x / 32 < kp.coop.helper_intra) run_chunk_claim_producer(kp, smem, threadIdx.x / 32);
     } else if (role == WarpgroupRole::kState1) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
       // One storer thread per intra-chunk warpgroup (each on its own stage, in its own warp), so
       // that one stage's head is copied out while the other stage waits for its tail.
       const int which = (threadIdx.x - first_thread(WarpgroupRole::kState1)) / 32;
-      if (threadIdx.x % 32 == 0 && which < kp.coop.helper_intra) run_workspace_storer(kp, smem, which);
+      if (!warm && threadIdx.x % 32 == 0 && which < kp.coop.helper_intra) run_workspace_storer(kp, smem, which);
     } else {
       const int which = int(role) - int(WarpgroupRole::kIntra);  // 0 or 1
       if (which < kp.coop.helper_intra) {
         cutlass::arch::warpgroup_reg_alloc<kHelperIntraRegs>();
-        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays, false, /*kHelperHalfInverse=*/true>(kp, smem, which);
+        // Warm passes enter at staggered steps, so that the code's lines are fetched from several
+        // places at once (CooperativePlan::warm_entries).
+        const int n = kp.coop.warm_entries;
+        const int warm_from = warm ? warm_entry((2 * int(blockIdx.x) + which) % n, n) : 0;
+        run_intra_chunk<kGateInKernel, kL2Norm, false, true, kDecays, false, /*kHelperHalfInverse=*/true>(kp, smem, which,
+                                                                                                          warm_from);
       }
     }
     return;

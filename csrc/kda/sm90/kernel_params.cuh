@@ -96,6 +96,13 @@ struct CooperativePlan {
   // Helpers whose unit ran out take the unit with the most unclaimed chunks (pick_helper_unit),
   // instead of one drawn in proportion to them (the host's rule: kda_prefill_dispatch.cu).
   bool pick_most = false;
+  // Warm code (helper_kernel only): the helpers' kernel's owner-region CTAs, whose SMs the owners'
+  // kernel takes only once they exit, first run the helpers' intra-chunk code once without data
+  // (kda_prefill_kernel.cuh), each warpgroup from one of several steps, so that the code is in L2
+  // when the helpers' chains reach it: their first chunk otherwise runs on code fetched from HBM
+  // (~31 us claim to tail against ~18 us later, H100). The number of entry steps, taken in turn
+  // (kda_prefill_kernel.cuh: warm_entry): 0 = off, 5 = steps 4-8, 6 = steps 1 and 4-8.
+  int warm_entries = 0;
   int* sync = nullptr;         // flags and counters (zeroed per launch)
   float* matrices = nullptr;   // segments: P^T then S_out^T, [tiles x G][128 x 128] fp32 each
   void* timeline = nullptr;    // -DCULA_KDA_TIMELINE builds only (timeline.cuh); null otherwise
