@@ -300,8 +300,8 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   // The helpers' kernel's owner region warms the helpers' intra-chunk code (CooperativePlan::
   // warm_entries; same results). Same-process A/Bs on an H100 (docs/perf-notes.md), graph time
   // with 6 entries against none: B1 T1024 H64 -4..-6 %, T2048 H64 -3..-4 %, T8192 H64 -1..-2 %,
-  // T65536 H4 and varlen 30000 + 3 -1..-2 %; 5 entries (not step 1) gained less. CULA_KDA_HELPER_WARM=0 / 5 / 6 (read per call) sets the
-  // number of entry steps.
+  // T65536 H4 and varlen 30000 + 3 -1..-2 %; 5 entries (not step 1) gained less.
+  // CULA_KDA_HELPER_WARM=0 / 5 / 6 (read per call) sets the number of entry steps.
   plan.coop.warm_entries = 6;
   if (env_is("CULA_KDA_HELPER_WARM", "0")) plan.coop.warm_entries = 0;
   if (env_is("CULA_KDA_HELPER_WARM", "5")) plan.coop.warm_entries = 5;
