@@ -7,7 +7,7 @@
 //   warpgroup 3  state      value columns 64..127
 //
 // Hand-offs are mbarriers per stage: full (TMA -> intra), ready (intra -> state), empty (state ->
-// producer). setmaxnreg moves registers from the producer to the math warpgroups. With prep ahead
+// producer); in the fused kernels v lands on a barrier of its own (v_full, TMA -> state). setmaxnreg moves registers from the producer to the math warpgroups. With prep ahead
 // (the fused kernels: chunk_prep.cuh) the state warpgroups also run steps 1-3 of chunk c+2 (full
 // -> state, then prepped -> intra) before their work on chunk c+1, and (fold_m) take M - I from
 // the intra-chunk warpgroup's scratch, releasing it on m_tile_empty_bar (state -> intra).
@@ -113,7 +113,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 32);  // the producer warp's lanes
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
-      if constexpr (kPrepAhead) cutlass::arch::ClusterBarrier::init(&smem.prepped_bar[s], 2 * 128);  // both state WGs
+      if constexpr (kPrepAhead) {
+        cutlass::arch::ClusterBarrier::init(&smem.prepped_bar[s], 2 * 128);  // both state WGs
+        cutlass::arch::ClusterTransactionBarrier::init(&smem.v_full_bar[s], 1);  // the producer's lane 0
+      }
       // Released by both state warpgroups, in a cooperative helper by the storer thread, in an
       // owner of half a tile (value split) by its one state warpgroup.
       cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : (kCoop && coop_role.half >= 0) ? 128 : 256);
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
         if (helper) run_chunk_claim_producer(kp, smem);
         else run_workspace_loader(kp, smem);
       } else {
-        run_load_producer<kLongestFirst>(kp, smem);
+        run_load_producer<kLongestFirst, /*kSplitV=*/kPrepAhead>(kp, smem);
       }
     }
   } else if (role == WarpgroupRole::kIntra) {

@@ -136,6 +136,10 @@ struct alignas(1024) SharedStorage {
   // Fused kernels: the state warpgroups have read the M tile (kMTileOffset) of the intra-chunk
   // warpgroup's last chunk, which may write its scratch again (state -> intra).
   uint64_t m_tile_empty_bar;
+  // Fused kernels: v alone (TMA -> state). `full` carries q, k, g and beta, all that the prep
+  // ahead reads (chunk_prep.cuh), so the prep waits for 48 KB of the stage's reload, not 64; v
+  // is read only by the chunk's state work, an intra-chunk pass later (load_producer.cuh).
+  uint64_t v_full_bar[kStages];
 };
 
 // Intra scratch: the l2-norm reciprocals and the row statistics (steps 1-3), then the fp32
