@@ -7,10 +7,11 @@
 //   warpgroup 3  state      value columns 64..127
 //
 // Hand-offs are mbarriers per stage: full (TMA -> intra), ready (intra -> state), empty (state ->
-// producer); in the fused kernels v lands on a barrier of its own (v_full, TMA -> state). setmaxnreg moves registers from the producer to the math warpgroups. With prep ahead
+// producer). setmaxnreg moves registers from the producer to the math warpgroups. With prep ahead
 // (the fused kernels: chunk_prep.cuh) the state warpgroups also run steps 1-3 of chunk c+2 (full
 // -> state, then prepped -> intra) before their work on chunk c+1, and (fold_m) take M - I from
-// the intra-chunk warpgroup's scratch, releasing it on m_tile_empty_bar (state -> intra).
+// the intra-chunk warpgroup's scratch, releasing it on m_tile_empty_bar (state -> intra); v lands
+// on a barrier of its own there (v_full, TMA -> state), as the prep does not read it.
 //
 // The cooperative mode (fewer tiles than SMs; kernel_params.cuh: KernelPass) runs one CTA per SM:
 // in the tile owners (cooperative_role in tile_scheduler.cuh) warpgroup 0's producer reads finished
@@ -49,9 +50,12 @@ constexpr uint32_t kHelperProducerRegs = 56;
 constexpr uint32_t kHelperIntraRegs = 208;
 static_assert(kHelperProducerRegs + 2 * kHelperIntraRegs + kProducerRegs <= 65536 / 128, "register budget of a helper CTA");
 // The step at which the k-th warm pass enters the helpers' intra-chunk code (intra_chunk:
-// warm_from), with n entries in turn (CooperativePlan::warm_entries): 4 (the A products) to 8 (W
-// and U), and with n = 6 also step 1 (the whole chunk).
-__device__ __forceinline__ int warm_entry(int k, int n) { return n == 6 ? (k == 0 ? 1 : k + 3) : k + 4; }
+// warm_from), with n entries in turn (CooperativePlan::warm_entries): the last n of the entry
+// steps 1 (the whole chunk), 4 (the A products), 5, 6, 7, 8 (W and U).
+__device__ __forceinline__ int warm_entry(int k, int n) {
+  const int e = k + 6 - n;  // index into the six entry steps
+  return e == 0 ? 1 : e + 3;
+}
 // Cooperative tile owners (owner_state_math.cuh): no intra-chunk work, so its warpgroup drops to
 // kProducerRegs and the state warpgroups take the rest.
 constexpr uint32_t kOwnerStateRegs = 232;
