@@ -120,6 +120,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       if constexpr (kPrepAhead) {
         cutlass::arch::ClusterBarrier::init(&smem.prepped_bar[s], 2 * 128);  // both state WGs
         cutlass::arch::ClusterTransactionBarrier::init(&smem.v_full_bar[s], 1);  // the producer's lane 0
+        if constexpr (early_slot_release(kPrepAhead, kLongestFirst, kDecays == Decays::kSafe)) {
+          cutlass::arch::ClusterBarrier::init(&smem.k_empty_bar[s], 2 * 128);  // both state WGs
+          cutlass::arch::ClusterBarrier::init(&smem.q_empty_bar[s], 2 * 128);
+        }
       }
       // Released by both state warpgroups, in a cooperative helper by the storer thread, in an
       // owner of half a tile (value split) by its one state warpgroup.
@@ -188,7 +192,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
         if (helper) run_chunk_claim_producer(kp, smem);
         else run_workspace_loader(kp, smem);
       } else {
-        run_load_producer<kLongestFirst, /*kSplitV=*/kPrepAhead>(kp, smem);
+        run_load_producer<kLongestFirst, /*kSplitV=*/kPrepAhead,
+                          early_slot_release(kPrepAhead, kLongestFirst, kDecays == Decays::kSafe)>(kp, smem);
       }
     }
   } else if (role == WarpgroupRole::kIntra) {

@@ -86,8 +86,9 @@ __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uin
 
 // kSplitV (the fused kernels, whose state warpgroups prepare each chunk as soon as `full`
 // completes: chunk_prep.cuh): v on its own barrier (SharedStorage::v_full_bar), issued after
-// q, k and g, so that the prep's wait ends once those 48 KB have landed.
-template <bool kLongestFirst, bool kSplitV = false>
+// q, k and g, so that the prep's wait ends once those 48 KB have landed. kEarlySlots: k and q
+// first, each once its slot is free (shared_storage.cuh: early_slot_release).
+template <bool kLongestFirst, bool kSplitV = false, bool kEarlySlots = false>
 __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
@@ -113,11 +114,29 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
       // it, and beta's stores follow them. `full` completes once the boxes have landed
       // (expect_tx) and every lane has arrived after its own beta stores.
       const float2 beta = read_beta(p, tile.v_head, token, rows, lane);
+      uint64_t* bar = &smem.full_bar[pipe.stage];
+      static_assert(!kEarlySlots || kSplitV, "early slot release is a form of the split-v producer");
+      if constexpr (kEarlySlots) {
+        // The slots in the order the state warpgroups free them (first pass: all free): k after
+        // their first product, q after the output product, the rest with `empty`. The byte count
+        // of all three goes on `full` with the first, so the phase cannot complete early.
+        cutlass::arch::ClusterBarrier::wait(&smem.k_empty_bar[pipe.stage], pipe.phase ^ 1u);
+        if (lane == 0) {
+          cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, kStageTxBytes - kTileBytes);
+          tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
+        }
+        cutlass::arch::ClusterBarrier::wait(&smem.q_empty_bar[pipe.stage], pipe.phase ^ 1u);
+        if (lane == 0) tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
+      }
       // Wait until both state warpgroups have released this stage (first pass: free).
       cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
-      uint64_t* bar = &smem.full_bar[pipe.stage];
       if (lane == 0) {
-        if constexpr (kSplitV) {
+        if constexpr (kEarlySlots) {
+          uint64_t* v_bar = &smem.v_full_bar[pipe.stage];
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(v_bar, kTileBytes);
+          tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
+          tma_load_tile(&kp.tma_v, v_bar, st.v, tile.v_head, token);
+        } else if constexpr (kSplitV) {
           uint64_t* v_bar = &smem.v_full_bar[pipe.stage];
           cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, kStageTxBytes - kTileBytes);
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(v_bar, kTileBytes);

@@ -97,6 +97,18 @@ constexpr bool aqk_is_half(bool prep_ahead, bool l2norm, bool longest_first) {
 // owner_state_math.cuh): the same fp16 A_qk where l2norm bounds it. The one switch for both sides.
 constexpr bool coop_aqk_is_half(bool l2norm) { return l2norm; }
 
+// Early slot release (the fused kernels; load_producer.cuh, state_math.cuh): the producer reloads a stage's k
+// and q slots as soon as the state warpgroups free them (SharedStorage::k_empty_bar,
+// q_empty_bar), not with the rest of the stage at the end of their chunk, so that only g's box
+// is left to land when the next prep waits for the stage (`full`). Measured in same-call
+// standalone A/Bs on an H100 (docs/perf-notes.md, "Where it stands (tenth session)"): safe gates
+// B2 T8192 H64 -2..-3 %, B8 -2..-3 %, GVA -1.5..-2.5 %, softplus (index order) B2 -2.5..-3 %;
+// the general-gate longest-first kernels measured +2..+5 % with it (B8), so they keep the
+// one release. The one switch for the producer, the state warpgroups and the kernel.
+constexpr bool early_slot_release(bool prep_ahead, bool longest_first, bool safe_gate) {
+  return prep_ahead && (safe_gate || !longest_first);
+}
+
 // Cooperative mode: the part of a finished stage that the state warpgroups need (q..aqk_diag
 // above, in shared-memory byte layout, swizzle included), copied to and from global memory as
 // one bulk copy per chunk.
@@ -140,6 +152,12 @@ struct alignas(1024) SharedStorage {
   // ahead reads (chunk_prep.cuh), so the prep waits for 48 KB of the stage's reload, not 64; v
   // is read only by the chunk's state work, an intra-chunk pass later (load_producer.cuh).
   uint64_t v_full_bar[kStages];
+  // Fused kernels: the stage's k slot (KG: read by the state warpgroups' first product only) and
+  // its q slot (QG: read by the output product) are free before the rest of the stage, and the
+  // producer reloads each as soon as it is (state -> producer; load_producer.cuh). `empty` then
+  // frees g, v and the small arrays.
+  uint64_t k_empty_bar[kStages];
+  uint64_t q_empty_bar[kStages];
 };
 
 // Intra scratch: the l2-norm reciprocals and the row statistics (steps 1-3), then the fp32

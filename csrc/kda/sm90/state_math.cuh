@@ -61,6 +61,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   // The only caller, the fused kernel, has prep ahead, so M is always folded here (the W / U
   // hand-off is the cooperative owners', owner_state_math.cuh).
   static_assert(fold_m(kPrepAhead), "the fused state warpgroups take M folded into their chain");
+  // k and q slots released as soon as they are read (load_producer.cuh: early_slot_release).
+  constexpr bool kEarlySlots = early_slot_release(kPrepAhead, kLongestFirst, kDecays == Decays::kSafe);
   // The general gates' prep has one call site only (below).
   constexpr bool kOneSite = kDecays != Decays::kSafe;
   static_assert(!kStageSAhead || !kOneSite, "(a) is skipped for c > 0: the safe kernels' loop starts at c = 0");
@@ -203,6 +205,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       wgmma_commit();
       wgmma_wait<0>();
       fence_accumulators(P);
+      // KG's last reader is done: the producer may reload the k slot (load_producer.cuh).
+      if constexpr (kEarlySlots) cutlass::arch::ClusterBarrier::arrive(&smem.k_empty_bar[pipe.stage]);
 
       timer.mark(2);
       uint8_t* const vn_half = st.v + half * kBoxBytes;
@@ -372,6 +376,8 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
           wgmma_wait<0>();
           fence_accumulators(S.acc[0]);
           fence_accumulators(S.acc[1]);
+          // (d)'s products (QG S, A_qk v_new) are done with the first wait: the q slot is free.
+          if (kEarlySlots && b == 1) cutlass::arch::ClusterBarrier::arrive(&smem.q_empty_bar[pipe.stage]);
 #pragma unroll
           for (int mh = 0; mh < 2; ++mh)
 #pragma unroll
