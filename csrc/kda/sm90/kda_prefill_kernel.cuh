@@ -191,9 +191,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       if constexpr (kCoop) {
         if (helper) run_chunk_claim_producer(kp, smem);
         else run_workspace_loader(kp, smem);
-      } else {
-        run_load_producer<kLongestFirst, /*kSplitV=*/kPrepAhead,
-                          early_slot_release(kPrepAhead, kLongestFirst, kDecays == Decays::kSafe)>(kp, smem);
+      } else if constexpr (kPrepAhead) {  // the fused kernels (the helpers' kernel returned above)
+        run_load_producer<kLongestFirst, early_slot_release(kPrepAhead, kLongestFirst, kDecays == Decays::kSafe)>(kp, smem);
       }
     }
   } else if (role == WarpgroupRole::kIntra) {

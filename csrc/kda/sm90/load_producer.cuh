@@ -57,15 +57,13 @@ __device__ __forceinline__ void store_beta(StageStorage& st, float2 b, int lane)
   st.beta[lane + 32] = b.y;
 }
 
-// The eight TMA boxes of a chunk (q, k from the qk head, v, g from the value head) on `bar`, or
-// (v_bar given) q, k, g on `bar` and then v on v_bar.
+// The eight TMA boxes of a chunk (q, k from the qk head, v, g from the value head) on `bar`.
 __device__ __forceinline__ void issue_tma_boxes(const KdaKernelParams& kp, uint64_t* bar, StageStorage& st,
-                                                const TileInfo& tile, int64_t token, uint64_t* v_bar = nullptr) {
+                                                const TileInfo& tile, int64_t token) {
   tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
   tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
-  if (v_bar == nullptr) tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
+  tma_load_tile(&kp.tma_v, bar, st.v, tile.v_head, token);
   tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
-  if (v_bar != nullptr) tma_load_tile(&kp.tma_v, v_bar, st.v, tile.v_head, token);
 }
 
 // A cooperative helper's producer (chunk_workspace.cuh): every lane arrives on `full` after its
@@ -84,11 +82,11 @@ __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uin
   __syncwarp();
 }
 
-// kSplitV (the fused kernels, whose state warpgroups prepare each chunk as soon as `full`
-// completes: chunk_prep.cuh): v on its own barrier (SharedStorage::v_full_bar), issued after
-// q, k and g, so that the prep's wait ends once those 48 KB have landed. kEarlySlots: k and q
-// first, each once its slot is free (shared_storage.cuh: early_slot_release).
-template <bool kLongestFirst, bool kSplitV = false, bool kEarlySlots = false>
+// The fused kernels' producer. Their state warpgroups prepare each chunk as soon as `full`
+// completes (chunk_prep.cuh), so v goes on a barrier of its own (SharedStorage::v_full_bar),
+// issued after q, k and g: the prep's wait ends once those 48 KB have landed. kEarlySlots: k and
+// q first, each once its slot is free (shared_storage.cuh: early_slot_release).
+template <bool kLongestFirst, bool kEarlySlots>
 __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, SharedStorage& smem) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
@@ -115,7 +113,7 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
       // (expect_tx) and every lane has arrived after its own beta stores.
       const float2 beta = read_beta(p, tile.v_head, token, rows, lane);
       uint64_t* bar = &smem.full_bar[pipe.stage];
-      static_assert(!kEarlySlots || kSplitV, "early slot release is a form of the split-v producer");
+      uint64_t* v_bar = &smem.v_full_bar[pipe.stage];
       if constexpr (kEarlySlots) {
         // The slots in the order the state warpgroups free them (first pass: all free): k after
         // their first product, q after the output product, the rest with `empty`. The byte count
@@ -131,20 +129,14 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
       // Wait until both state warpgroups have released this stage (first pass: free).
       cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
       if (lane == 0) {
-        if constexpr (kEarlySlots) {
-          uint64_t* v_bar = &smem.v_full_bar[pipe.stage];
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(v_bar, kTileBytes);
-          tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
-          tma_load_tile(&kp.tma_v, v_bar, st.v, tile.v_head, token);
-        } else if constexpr (kSplitV) {
-          uint64_t* v_bar = &smem.v_full_bar[pipe.stage];
-          cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, kStageTxBytes - kTileBytes);
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(v_bar, kTileBytes);
-          issue_tma_boxes(kp, bar, st, tile, token, v_bar);
-        } else {
-          cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, kStageTxBytes);
-          issue_tma_boxes(kp, bar, st, tile, token);
+        if constexpr (!kEarlySlots) cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, kStageTxBytes - kTileBytes);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(v_bar, kTileBytes);
+        if constexpr (!kEarlySlots) {
+          tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
+          tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
         }
+        tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
+        tma_load_tile(&kp.tma_v, v_bar, st.v, tile.v_head, token);
       }
       store_beta(st, beta, lane);
       // cutlass's arrive asm has no "memory" clobber: keep the compiler from moving the stores

@@ -210,7 +210,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
 
       timer.mark(2);
       uint8_t* const vn_half = st.v + half * kBoxBytes;
-      // v on its own barrier (load_producer.cuh, kSplitV): landed long ago, with the prep's q, k, g.
+      // v on its own barrier (load_producer.cuh: v_full): landed long ago, with the prep's q, k, g.
       if constexpr (kPrepAhead) cutlass::arch::ClusterTransactionBarrier::wait(&smem.v_full_bar[pipe.stage], pipe.phase);
       // (c0) Y = beta v - X (fp32 registers; X = KG S from (b)) -> bf16 in the v_new tile, the B
       // operand of v_new = Y + (M - I) Y: the accumulator starts at Y, so the identity term is
