@@ -12,10 +12,14 @@ cost from the exact path's (docs/perf-notes.md, general gates).
 
 ``--softplus`` (also run by default, after the first table): the in-kernel gate, the safe
 lower-bound form (``lower_bound=-5``, ``A_log = log U(1, 16)``) against Kimi-Linear's softplus form
-``-exp(A_log) softplus(g + dt_bias)`` with ``g ~ 2 N(0, 1)``, ``dt_bias ~ 0.5 N(0, 1)`` and three
+``-exp(A_log) softplus(g + dt_bias)`` with ``g ~ 2 N(0, 1)``, ``dt_bias ~ 0.5 N(0, 1)`` and these
 decay scales: ``exp(A_log) = 0.05`` for every head (no block is wide: the softplus prep's own cost),
-``A_log ~ N(0, 1)`` per head (the benchmark's draw), and ``exp(A_log) = 20`` for every head (every
-block of every head is wide: the exact path's full cost).
+``A_log ~ N(0, 1)`` per head (the benchmark's draw), the same draw cut at ``exp(A_log) <= 1``, every
+head at the draw's median and at its fastest value, and ``exp(A_log) = 20`` for every head (every
+block of every head is wide: the exact path's full cost). If the one-wave rows (B=2: 128 tiles on
+132 SMs) were paced by the fastest heads' tiles alone, the draw would time like "every head at the
+fastest" and the cut draw faster; where every head runs the whole exact pass, the draw's variants
+time alike. The softplus table adds B=8 (a multi-wave launch) to the shapes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from kda_bench.timing import idle_call_ms  # noqa: E402  (needs the path above)
 
 SHAPES = [(2, 8192, 64), (1, 8192, 64), (1, 1024, 64), (1, 32768, 8)]  # (B, T, H = HV)
+SOFTPLUS_SHAPES = [(2, 8192, 64), (8, 8192, 64), (1, 8192, 64), (1, 1024, 64), (1, 32768, 8)]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,13 +82,23 @@ def time_softplus_shape(B: int, T: int, H: int, reps: int = 20) -> str:
     g_safe = torch.randn(B, T, H, 128, device=dev).to(torch.bfloat16)
     g_soft = (2 * torch.randn(B, T, H, 128, device=dev)).to(torch.bfloat16)
     a_safe = torch.empty(H, device=dev).uniform_(1.0, 16.0).log()
+    a_draw = torch.randn(H, device=dev)
+
+    def every_head(a_log: float) -> torch.Tensor:
+        return torch.full((H,), a_log, device=dev)
+
     runs = {
         "safe lower_bound=-5": dict(g=g_safe, A_log=a_safe, lower_bound=-5.0, safe_gate=True),
         "softplus exp(A_log)=0.05 (no wide block)": dict(
-            g=g_soft, A_log=torch.full((H,), float(torch.tensor(0.05).log()), device=dev), safe_gate=False),
-        "softplus A_log~N(0,1) (bench draw)": dict(g=g_soft, A_log=torch.randn(H, device=dev), safe_gate=False),
+            g=g_soft, A_log=every_head(float(torch.tensor(0.05).log())), safe_gate=False),
+        "softplus A_log~N(0,1) (bench draw)": dict(g=g_soft, A_log=a_draw, safe_gate=False),
+        "softplus the draw cut at exp(A_log)<=1": dict(g=g_soft, A_log=a_draw.clamp(max=0.0), safe_gate=False),
+        f"softplus every head at the draw's median, exp(A_log)={a_draw.median().exp().item():.2f}": dict(
+            g=g_soft, A_log=every_head(a_draw.median().item()), safe_gate=False),
+        f"softplus every head at the draw's fastest, exp(A_log)={a_draw.max().exp().item():.2f}": dict(
+            g=g_soft, A_log=every_head(a_draw.max().item()), safe_gate=False),
         "softplus exp(A_log)=20 (every block wide)": dict(
-            g=g_soft, A_log=torch.full((H,), float(torch.tensor(20.0).log()), device=dev), safe_gate=False),
+            g=g_soft, A_log=every_head(float(torch.tensor(20.0).log())), safe_gate=False),
     }
 
     def call(opts: dict) -> None:
@@ -112,7 +127,7 @@ def main() -> int:
     if "--softplus" not in sys.argv[1:]:
         for shape in SHAPES:
             print(time_shape(*shape), flush=True)
-    for shape in SHAPES:
+    for shape in SOFTPLUS_SHAPES:
         print(time_softplus_shape(*shape), flush=True)
     return 0
 
