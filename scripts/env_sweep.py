@@ -14,6 +14,13 @@ drifts of the clock or the machine hit every value alike), and prints per value 
 median, the spread (min-max of the middle half) and the relative L2 difference of o and of the
 final state from the first value's results (launch variants must agree to within the numerics
 contract).
+
+``--order blocks`` times each value in blocks of consecutive calls instead (``--block`` calls,
+after two untimed ones, values in turn, ``--reps`` calls per value in all), closer to a process that
+runs one launch form throughout, as the benchmark's does (the two orders can disagree:
+docs/perf-notes.md). ``--sets N`` rotates N input sets (the benchmark rotates enough sets to exceed
+three times the L2 cache, so that no call finds its inputs there). ``--graph`` adds CUDA-graph
+replay medians per value.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from kda_bench.baselines.cula import CulaBaseline  # noqa: E402  (needs the path
 from kda_bench.inputs import Options, cu_seqlens, make_inputs  # noqa: E402
 from kda_bench.reference import rel_err  # noqa: E402
 from kda_bench.suite import Config, varlen  # noqa: E402
-from kda_bench.timing import idle_call_ms  # noqa: E402
+from kda_bench.timing import TimingParams, capture_graphs, idle_call_ms, time_graphs  # noqa: E402
 
 
 def parse_shape(text: str) -> Config:
@@ -51,37 +58,70 @@ def parse_shape(text: str) -> Config:
     return Config("fixed", a, b, H, H)
 
 
-def sweep(cfg: Config, name: str, values: list[str], reps: int, opt: Options) -> list[str]:
+def sweep(cfg: Config, name: str, values: list[str], reps: int, opt: Options, order: str = "interleaved",
+          block: int = 10, sets: int = 1, graph: bool = False) -> list[str]:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    inputs = make_inputs(cfg, opt, dev, torch.bfloat16, gen, cu_seqlens(cfg, dev))
-    call = CulaBaseline(opt).prepare(inputs)
+    cu = cu_seqlens(cfg, dev)
+    calls = [CulaBaseline(opt).prepare(make_inputs(cfg, opt, dev, torch.bfloat16, gen, cu)) for _ in range(sets)]
+    n = 0
+
+    def call():  # the next input set
+        nonlocal n
+        n += 1
+        return calls[n % sets]()
 
     saved = os.environ.get(name)
     results, times = {}, {x: [] for x in values}
     try:
         for x in values:
             os.environ[name] = x
-            results[x] = call()
+            results[x] = calls[0]()
             for _ in range(3):
                 call()
-        for _ in range(reps):
-            for x in values:
-                os.environ[name] = x
-                times[x].append(idle_call_ms(call))
+        if order == "blocks":
+            while len(times[values[-1]]) < reps:
+                for x in values:
+                    os.environ[name] = x
+                    for _ in range(2):
+                        idle_call_ms(call)
+                    for _ in range(min(block, reps - len(times[x]))):
+                        times[x].append(idle_call_ms(call))
+        else:
+            for _ in range(reps):
+                for x in values:
+                    os.environ[name] = x
+                    times[x].append(idle_call_ms(call))
     finally:
         if saved is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
+    graph_ms: dict[str, list[float]] = {x: [] for x in values}
+    if graph:  # one CUDA graph per (value, input set), captured with the value set; replays in blocks
+        graphs = {}
+        try:
+            for x in values:
+                os.environ[name] = x
+                graphs[x] = capture_graphs(calls)
+        finally:
+            if saved is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = saved
+        p = TimingParams(warmup=2, min_reps=block, max_reps=block, min_time_s=0.0)
+        for _ in range(max(1, reps // block)):
+            for x in values:
+                graph_ms[x].append(time_graphs(graphs[x], p)[0])
     o0, s0 = results[values[0]]
     lines = []
     for x in values:
         t = sorted(times[x])
         mid = t[len(t) // 4: max(len(t) // 4 + 1, 3 * len(t) // 4)]
         o, s = results[x]
+        g = f", graph {statistics.median(graph_ms[x]):.3f} ms" if graph else ""
         lines.append(f"{cfg.name} {name}={x}: {statistics.median(t):.3f} ms "
-                     f"(middle half {mid[0]:.3f}-{mid[-1]:.3f}), vs {name}={values[0]}: "
+                     f"(middle half {mid[0]:.3f}-{mid[-1]:.3f}){g}, vs {name}={values[0]}: "
                      f"o {rel_err(o, o0):.1e} state {rel_err(s, s0):.1e}")
     return lines
 
@@ -92,6 +132,12 @@ def main() -> None:
     ap.add_argument("--env", required=True, help="NAME=v1,v2,...")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--softplus-gate", action="store_true", help="Kimi-Linear's gate (safe_gate=False)")
+    ap.add_argument("--order", choices=("interleaved", "blocks"), default="interleaved",
+                    help="values call by call, or in blocks of --block consecutive calls")
+    ap.add_argument("--block", type=int, default=10, help="timed calls per block (--order blocks)")
+    ap.add_argument("--sets", type=int, default=1, help="input sets, rotated call by call")
+    ap.add_argument("--graph", action="store_true",
+                    help="also the median of CUDA-graph replays per value (blocks of --block replays)")
     args = ap.parse_args()
     opt = Options(softplus_gate=args.softplus_gate)
     name, _, vals = args.env.partition("=")
@@ -102,8 +148,11 @@ def main() -> None:
         cfgs = [parse_shape(shape) for shape in args.shapes.split(",")]
     except ValueError as e:
         ap.error(str(e))
+    if args.reps < 1 or args.block < 1 or args.sets < 1:
+        ap.error("--reps, --block and --sets must be >= 1")
     for cfg in cfgs:
-        for line in sweep(cfg, name, values, args.reps, opt):
+        for line in sweep(cfg, name, values, args.reps, opt, args.order, args.block, args.sets,
+                          args.graph):
             print(line, flush=True)
 
 

@@ -89,19 +89,23 @@ def test_tiles_per_owner_up_to_the_sm_count():
     assert launch(1, 4096, 64) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 53) == "cooperative-two-kernels-2-tiles-per-owner"
     # Between 0.4 x and 1 x the SMs the fused kernel where the fits of its and the mode's measured
-    # times say so (cooperative_beats_fused; H100 sweeps at 2390860's kernels, the helpers' time
-    # re-measured at 4062d69's): 80-120 tiles (B1 T8192 H80: 1.061 vs 1.123, H96: 1.075 vs 1.289,
-    # B2 T8192 H40: 1.033 vs 1.094, B1 T1024 H96 and H112, B1 T2048 H120), B1 T1024 H72 (0.216 vs
-    # 0.224) and B1 T16384 H75 (1.969 vs 2.014); the cooperative mode up to 74 tiles of long
-    # sequences (B1 T8192 H68: 0.922 vs fused 1.024, H71: 0.980 vs 1.072, H74: 0.937 vs 1.013, B1
-    # T16384 H70: 1.844 vs 1.980, B1 T4096 H72: 0.505 vs 0.547, B2 T8192 H37: 0.941 vs 1.027), from
-    # T2048 at H64 (0.311 vs 0.339), H58 (0.272 vs 0.306) and H70 (0.306 vs 0.314), and at T1024 up
-    # to 64 tiles (B1 T1024 H64: 0.202 vs 0.205, 0.200 vs 0.210 and 0.228 vs 0.232 ms in three
-    # sweeps; B2 T1024 H32: 0.174 vs 0.183).
-    assert launch(1, 1024, 64) == "cooperative-two-kernels-2-tiles-per-owner"
-    assert launch(2, 1024, 32) == "cooperative-two-kernels-2-tiles-per-owner"
+    # eager times say so (cooperative_beats_fused; H100, 0d70888's kernels, each form in blocks of
+    # ten consecutive calls, ms fused vs cooperative): tiles of 16 chunks from 53 tiles (B1 T1024
+    # H56: 0.144 vs 0.151, H64: 0.156 vs 0.168 and 0.144 vs 0.154, H72: 0.159 vs 0.181, B2 T1024
+    # H32: 0.160 vs 0.174), B1 T2048 H70 (0.273 vs 0.285) and H80, 80-112 tiles of T4096-T8192 (B1
+    # T8192 H80: 0.958 vs 0.995, H96: 0.957 vs 1.053, B2 T8192 H40: 0.953 vs 0.996, B1 T4096 H80:
+    # 0.495 vs 0.536), B1 T16384 H75 (1.865 vs 1.958); the cooperative mode from 24 chunks a tile at
+    # 64 tiles (B1 T1536 H64: 0.202 vs 0.196, T2048: 0.269 vs 0.242, T4096: 0.520 vs 0.424, T8192:
+    # 0.953 vs 0.714) and up to 74 tiles of long sequences (B1 T2048 H56: 0.280 vs 0.246, B1 T4096
+    # H72: 0.495 vs 0.462, B1 T8192 H74: 0.959 vs 0.863, B2 T8192 H37: 0.953 vs 0.862, B1 T16384
+    # H70: 1.869 vs 1.525).
+    assert launch(1, 1024, 56) == "index"
+    assert launch(1, 1024, 64) == "index"
+    assert launch(2, 1024, 32) == "index"
     assert launch(1, 1024, 72) == "index"
-    assert launch(1, 2048, 70) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 2048, 70) == "index"
+    assert launch(1, 1536, 64) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 2048, 56) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 4096, 72) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 74) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(2, 8192, 37) == "cooperative-two-kernels-2-tiles-per-owner"
@@ -111,6 +115,7 @@ def test_tiles_per_owner_up_to_the_sm_count():
     assert launch(1, 8192, 68) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 71) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 16384, 70) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 4096, 80) == "index"
     assert launch(1, 8192, 80) == "index"
     assert launch(1, 8192, 96) == "index"
     assert launch(2, 8192, 40) == "index"
@@ -122,17 +127,22 @@ def test_tiles_per_owner_up_to_the_sm_count():
     assert launch(1, 16384, 48) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 47) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(2, 8192, 24) == "cooperative-two-kernels-2-tiles-per-owner"
-    # The general gates' fused kernel is ~30 % slower per chunk, so the mode reaches further there
-    # (B1 T2048 H64 softplus: cooperative 0.342 vs fused 0.389 ms), with 3 tiles per owner at 80.
-    assert launch(1, 2048, 64, general=True) == "cooperative-two-kernels-2-tiles-per-owner"
-    # ... and with the faster helpers of 4062d69 (softplus, cooperative vs fused, ms: B1 T1024 H60
-    # 0.191 vs 0.229, B1 T2048 H72 0.384 vs 0.448, B1 T4096 H86 0.742 vs 0.794)
+    # The general gates' fused kernel is ~40 % slower per chunk, so the mode reaches further there
+    # (softplus, ms fused vs cooperative, same sweeps: B1 T1024 H64 0.185 vs 0.163, B1 T2048 H64
+    # 0.346 vs 0.259, H72 0.352 vs 0.309, B1 T4096 H86 0.670 vs 0.623, B1 T8192 H96 1.313 vs
+    # 1.192), with 3 tiles per owner from 76 tiles; fused for B1 T1024 H80 (0.185 vs 0.205) and H96,
+    # B1 T2048 H96 (0.351 vs 0.375) and B1 T4096 H96 (0.677 vs 0.693).
     assert launch(1, 1024, 60, general=True) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 1024, 64, general=True) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 2048, 64, general=True) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 2048, 72, general=True) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 4096, 86, general=True) == "cooperative-two-kernels-3-tiles-per-owner"
     assert launch(2, 8192, 40, general=True) == "cooperative-two-kernels-3-tiles-per-owner"
-    assert launch(1, 8192, 96, general=True) == "index"
+    assert launch(1, 8192, 96, general=True) == "cooperative-two-kernels-3-tiles-per-owner"
+    assert launch(1, 1024, 80, general=True) == "index"
     assert launch(1, 1024, 96, general=True) == "index"
+    assert launch(1, 2048, 96, general=True) == "index"
+    assert launch(1, 4096, 96, general=True) == "index"
     # varlen: one tile per owner (the host does not know the lengths)
     assert launch(1, 0, 32, lens=[4096, 4096]) == "cooperative-two-kernels-split-on-device"
 

@@ -198,29 +198,31 @@ int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, 
 // intra-chunk warpgroups per helper; both constants measured on an H100, docs/perf-notes.md). The
 // launch takes the longer of the two. Returns the best k in 1..4 and its time.
 //
-// Two helper constants, both from H100 sweeps (docs/perf-notes.md, "Where it stands (4062d69)"):
-// k is chosen with 10 us per chunk, and the time that the fused-vs-cooperative rule compares
-// (coop_us) takes 9.3 us at that k. Since the helpers' stage split (4062d69) the helpers are
-// ~7 % faster, and with 10 us the rule ran 2.5-8 % slower fused launches on 5 of 16 swept shapes
-// at 64-74 tiles with 2 tiles per owner (B1 T2048 H70, B1 T4096 H72, B1 T8192 H74, B2 T1024 H32,
-// B2 T8192 H37; softplus B1 T1024 H60, T2048 H72, T4096 H86: 6-17 %); 9.3 picks all of them right.
-// For k itself 9.3 would be worse: one tile per owner at 47-48 tiles measured 7 % slower on short
-// tiles (B1 T1024 H48, T2048 H47) and only 1-3 % faster on long ones, and the softplus gate's
-// helpers (slower) keep 2 per owner there (11-14 % faster) and 3 at 76 tiles (2-4 %).
+// Two kinds of helper constant, all from H100 sweeps (docs/perf-notes.md): k is chosen with 10 us
+// per chunk, and the time that the fused-vs-cooperative rule compares (coop_us) takes the helpers'
+// current cost at that k, per gate form: 8.5 us per chunk with safe gates, 11 with general gates
+// (the softplus gate's helpers run the general prep and the exact pass). Those two are the values
+// whose fits below chose right on every shape of the twelfth session's sweeps (least squares of
+// each form's eager time, for helper constants from 8.5 to 12). For k itself a smaller constant
+// would be worse: one tile per owner at 47-48 tiles measured 7 % slower on short tiles (B1 T1024
+// H48, T2048 H47) and only 1-3 % faster on long ones, and the softplus gate's helpers keep 2 per
+// owner there (11-14 % faster) and 3 at 76 tiles (2-4 %).
 constexpr double kHelperUsPerChunkForK = 10.0;
-constexpr double kHelperUsPerChunk = 9.3;
+constexpr double kHelperUsPerChunkSafe = 8.5;
+constexpr double kHelperUsPerChunkGeneral = 11.0;
 struct OwnerChoice {
   int tiles_per_owner = 1;
   double us = 0;       // the model's time with tiles_per_owner (kHelperUsPerChunkForK)
   double one_us = 0;   // and with one tile per owner
-  double coop_us = 0;  // with tiles_per_owner and kHelperUsPerChunk: what cooperative_beats_fused takes
+  double coop_us = 0;  // with tiles_per_owner and the gate form's helper constant: what cooperative_beats_fused takes
 };
 double owner_model_us(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count, int k,
                       double helper_us_per_chunk) {
   const int64_t helpers = int64_t(sm_count) - (tiles + k - 1) / k;
   return std::max(2.6 * double(k * chunks_per_tile), helper_us_per_chunk * double(all_chunks) / double(helpers));
 }
-OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count) {
+OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count,
+                                   bool general_gates) {
   OwnerChoice best;
   for (int k = 1; k <= 4; ++k) {
     if (int64_t(sm_count) - (tiles + k - 1) / k < 1) continue;  // no helper left
@@ -232,26 +234,29 @@ OwnerChoice choose_tiles_per_owner(int64_t tiles, int64_t chunks_per_tile, int64
     }
   }
   if (int64_t(sm_count) - tiles >= 1)
-    best.coop_us = owner_model_us(tiles, chunks_per_tile, all_chunks, sm_count, best.tiles_per_owner, kHelperUsPerChunk);
+    best.coop_us = owner_model_us(tiles, chunks_per_tile, all_chunks, sm_count, best.tiles_per_owner,
+                                  general_gates ? kHelperUsPerChunkGeneral : kHelperUsPerChunkSafe);
   return best;
 }
 
-// Between 0.4 x and 1 x the SMs in tiles: the eager call's time in us by two fits of H100
-// measurements (same-process sweeps of CULA_KDA_COOPERATIVE=0/1 over 22 shapes, 48 to 112 tiles of
-// 16 to 256 chunks, at 2390860's kernels; docs/perf-notes.md): the fused kernel (one wave) 7.52 us
-// per chunk of a tile + 75, the cooperative mode 0.966 x the tiles-per-owner model
-// (choose_tiles_per_owner) + 95.5; both within ~6 % on every swept shape. The cooperative mode runs
-// where its estimate is 2 % below the fused one. Since 4062d69 the model's time here takes the
-// faster helpers (OwnerChoice::coop_us, 9.3 us per chunk; the fits unchanged): cooperative for B1
-// T1024-T8192 H64 (B1 T1024 H64, a tie before, measured 1.5-5 % faster cooperative in three
-// sweeps), B1 T8192 H53-H74, B1 T4096 H72, B2 T8192 H37; fused for 80-112 tiles of T8192, 96-112 tiles
-// of T1024-T4096 and B1 T16384 H75 (3 tiles per owner: 2 % faster fused). General gates keep
-// e94f895's fits (fused 10.0 us per chunk + 67, cooperative 1.04 x (1.08 x the model + 120)) with
-// the same faster model (softplus B1 T1024 H60, T2048 H72, T4096 H86: cooperative 6-17 % faster).
+// Between 0.4 x and 1 x the SMs in tiles: the eager call's time in us by fits of H100 measurements
+// (docs/perf-notes.md, "Where it stands (twelfth session)": CULA_KDA_COOPERATIVE=0/1 in blocks of
+// ten consecutive calls, three input sets, over 22 safe-gate shapes of 53 to 96 tiles and 16 to 256
+// chunks and 12 softplus ones, at 0d70888's kernels; an earlier fit from sweeps that interleaved
+// the two forms call by call had the fused kernel's short tiles ~10 % slow, see there). Safe gates:
+// the fused kernel (one wave) 7.12 us per chunk of a tile + 44, the cooperative mode 0.92 x the
+// tiles-per-owner model + 87; general gates: 10.0 us per chunk + 28 and 0.85 x the model + 83.
+// The cooperative mode runs where its estimate is 2 % below the fused one: with safe gates
+// cooperative from 24 chunks a tile at 64 tiles (B1 T1536-T8192 H64), B1 T2048 H56-H64, B1 T4096 H72,
+// B1 T8192 H53-H74, B2 T8192 H37, B1 T16384 H70; fused for tiles of 16 chunks from 53 tiles (B1
+// T1024 H56-H96, B2 T1024 H32: 3-9 % faster fused, where the cooperative mode's second launch
+// and its sync area cost more than its helpers save), B1 T2048 H70-H80, 80-112 tiles of T4096-T8192,
+// B1 T16384 H75. General gates: cooperative up to 64 tiles of T1024 (softplus B1 T1024 H64: 13 %
+// faster) and up to 96 tiles of T8192 (10 %), fused for 80-96 tiles of T1024 and 96 of T2048-T4096.
 bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, bool general_gates) {
   const double c = double(chunks_per_tile);
-  if (general_gates) return 1.04 * (1.08 * owner_model_us + 120.0) < 10.0 * c + 67.0;
-  return 0.966 * owner_model_us + 95.5 < 0.98 * (7.52 * c + 75.0);
+  if (general_gates) return 0.85 * owner_model_us + 83.0 < 0.98 * (10.0 * c + 28.0);
+  return 0.92 * owner_model_us + 87.0 < 0.98 * (7.12 * c + 44.0);
 }
 
 Plan plan_call(const KdaPrefillParams& p, int sm_count) {
@@ -262,7 +267,8 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   const int64_t chunks_per_tile = (tokens / p.num_seqs + sm90::kChunk - 1) / sm90::kChunk;
   // Cooperative for few tiles (<= 0.4 x SMs: the helpers outrun the chains), and up to the SM
   // count where the model above says the mode's call is the shorter one (cooperative_beats_fused).
-  const OwnerChoice owner_choice = choose_tiles_per_owner(num_tiles, chunks_per_tile, all_chunks, sm_count);
+  const OwnerChoice owner_choice =
+      choose_tiles_per_owner(num_tiles, chunks_per_tile, all_chunks, sm_count, p.general_gates);
   const bool coop_by_model =
       num_tiles < sm_count && cooperative_beats_fused(owner_choice.coop_us, chunks_per_tile, p.general_gates);
   bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
