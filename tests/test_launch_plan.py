@@ -69,7 +69,6 @@ def test_few_tiles_cooperative():
     # B1 T32768 H8: the owners' chains bound it (512 chunks x 1.4 us against 4096 x 12 us over 116
     # helpers): one kernel, the value split decided per tile on the device, no segments.
     assert launch(1, 32768, 8) == "cooperative-one-kernel-split-on-device"
-    assert launch(1, 2 ** 18, 8) == "cooperative-one-kernel-split-on-device"
     assert launch(1, 2 ** 20, 8) == "index"  # the workspace (one stage per chunk and head) past 4 GiB
     # B1 T8192 H16: the helpers bound it: two kernels.
     assert launch(1, 8192, 16) == "cooperative-two-kernels-split-on-device"
@@ -85,7 +84,10 @@ def test_segments():
     # H4: none 0.673, 3 0.528, 4 0.448, 5 0.479; B1 T32768 H6: none 0.679, 3 0.572, 4 0.626; B1
     # T65536 H6: none 1.311, 3 1.069; B1 T16384 H4: 3 0.302, 4 0.280, 5 0.310; B1 T16384 H2: 4
     # 0.271, 5 0.281; B1 T131072 H1: 10-14 within 1.5 % (11 the fastest); B1 T32768 H8: none
-    # 0.682, 3 0.720.
+    # 0.682, 3 0.720; B1 T65536 H1: 8 0.608, 11 0.645; B1 T32768 H1: 5 0.402, 6 0.392, 8 0.387 (6
+    # 0.379 in the same process); B1 T16384 H5: none 0.377, 3 0.321; B1 T65536 H5: 3 1.001, 4
+    # 0.954; B1 T262144 H1: 11 1.362, 14 1.308; H2: 7 1.784, 8 1.683; H3: 5 2.355, 6 2.275; H8:
+    # none 5.159, 3 5.132; B1 T131072 H8: none 2.575, 3 2.626.
     assert launch(1, 65536, 4) == "cooperative-two-kernels-4-segments"
     assert launch(1, 131072, 2) == "cooperative-two-kernels-8-segments"
     assert launch(1, 65536, 2) == "cooperative-two-kernels-7-segments"
@@ -97,6 +99,15 @@ def test_segments():
     assert launch(1, 16384, 2) == "cooperative-two-kernels-4-segments"
     assert launch(1, 131072, 1) == "cooperative-two-kernels-11-segments"
     assert launch(1, 32768, 8) == "cooperative-one-kernel-split-on-device"
+    assert launch(1, 65536, 1) == "cooperative-two-kernels-8-segments"
+    assert launch(1, 32768, 1) == "cooperative-two-kernels-6-segments"
+    assert launch(1, 16384, 5) == "cooperative-two-kernels-3-segments"
+    assert launch(1, 65536, 5) == "cooperative-two-kernels-4-segments"
+    assert launch(1, 2 ** 18, 1) == "cooperative-two-kernels-14-segments"
+    assert launch(1, 2 ** 18, 2) == "cooperative-two-kernels-8-segments"
+    assert launch(1, 2 ** 18, 3) == "cooperative-two-kernels-6-segments"
+    assert launch(1, 2 ** 18, 8) == "cooperative-two-kernels-3-segments"
+    assert launch(1, 131072, 8) == "cooperative-one-kernel-split-on-device"
 
 
 def test_tiles_per_owner_up_to_the_sm_count():

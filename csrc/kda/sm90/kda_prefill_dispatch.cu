@@ -165,21 +165,21 @@ struct Plan {
 
 // Segments (kernel_params.cuh: CooperativePlan) for very few tiles. Model per launch, in us, from
 // what the host knows (mean chunks per tile C, tiles, SMs), fitted to H100 measurements
-// (docs/perf-notes.md): the split owners' chain ~1.5 us per chunk, a helper ~8 us per chunk, a
+// (docs/perf-notes.md): the split owners' chain ~1.4 us per chunk, a helper ~7.5 us per chunk, a
 // fix-up (S_out = P S_in + Q, fp32, L2-latency bound, with what else each segment boundary costs)
-// ~50 us, ~60 us of start-up for the segment pipeline. Without segments: max(C x 1.5, all chunks
-// x 8 / (SMs - 2 tiles)). With G >= 3 segments of c = ceil(C / G) chunks: the middle segments'
-// P and Q chains end when both they and the helpers are through (max(c x 1.5, all chunks x 8 /
+// ~45 us, ~60 us of start-up for the segment pipeline. Without segments: max(C x 1.4, all chunks
+// x 7.5 / (SMs - 2 tiles)). With G >= 3 segments of c = ceil(C / G) chunks: the middle segments'
+// P and Q chains end when both they and the helpers are through (max(c x 1.4, all chunks x 7.5 /
 // helpers), helpers = SMs - tiles x (4 G - 4): the owner region holds 4 G CTAs per tile, 4 of
-// which help), then G - 2 fix-ups in segment order, then the last segment's run (c x 1.5), + 60.
-// The G with the least modelled time wins. The constants are those that chose the fastest
-// measured G on all 11 shapes of the twelfth session's sweep (each G in blocks of consecutive
-// calls: B1 T16384 H2 / H4, T32768 H4 / H6 / H8, T65536 H2 / H3 / H4 / H6, T131072 H1 / H2);
-// the earlier ones (1.4, 12, 20) lost 4-23 % on eight of them (e.g. B1 T131072 H2: G = 6 at
-// 1.069 ms against G = 8 at 0.956; B1 T32768 H6: none at 0.679 against G = 3 at 0.572).
+// which help), then G - 2 fix-ups in segment order, then the last segment's run (c x 1.4), + 60.
+// The G with the least modelled time wins. The helper and fix-up constants are those that chose
+// the fastest measured G on all 21 shapes of the twelfth session's sweeps (each G in blocks of
+// consecutive calls, B1 T16384-T262144 at 1-8 heads); the earlier ones (12 and 20) lost 4-23 % on
+// eight of them (e.g. B1 T131072 H2: G = 6 at 1.069 ms against G = 8 at 0.956; B1 T32768 H6: none
+// at 0.679 against G = 3 at 0.572).
 // CULA_KDA_SEGMENTS=G (read per call) forces G (1: none; G >= 3 while the owner region fits).
 int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count) {
-  constexpr double kChainUs = 1.5, kHelperUs = 8.0, kFixUpUs = 50.0, kStartUs = 60.0;
+  constexpr double kChainUs = 1.4, kHelperUs = 7.5, kFixUpUs = 45.0, kStartUs = 60.0;
   auto fits = [&](int g) { return tiles * 4 * g < sm_count; };
   int best = 1;
   double best_us = std::max(kChainUs * double(chunks_per_tile),
