@@ -67,11 +67,22 @@ def test_fused_schedules(monkeypatch):
 
 def test_few_tiles_cooperative():
     # B1 T32768 H8: the owners' chains bound it (512 chunks x 1.4 us against 4096 x 12 us over 116
-    # helpers): one kernel, the value split decided per tile on the device, no segments.
-    assert launch(1, 32768, 8) == "cooperative-one-kernel-split-on-device"
+    # helpers): one kernel, two owners per tile, no segments.
+    assert launch(1, 32768, 8) == "cooperative-one-kernel-split"
     assert launch(1, 2 ** 20, 8) == "index"  # the workspace (one stage per chunk and head) past 4 GiB
     # B1 T8192 H16: the helpers bound it: two kernels.
-    assert launch(1, 8192, 16) == "cooperative-two-kernels-split-on-device"
+    assert launch(1, 8192, 16) == "cooperative-two-kernels-split"
+    # Fixed length: the host decides the value split (value_split_pays). Measured (H100, blocks of
+    # consecutive calls, ms one owner / two owners per tile): B1 T8192 H20 0.370 / 0.307, H24 0.360
+    # / 0.330, H26 0.370 / 0.355, H28 0.370 / 0.417; B1 T16384 H20 0.643 / 0.503, H28 0.681 / 0.764;
+    # B1 T4096 H20 0.201 / 0.168, H24 0.205 / 0.194. The general gates keep the older constant.
+    assert launch(1, 8192, 20) == "cooperative-two-kernels-split"
+    assert launch(1, 8192, 26) == "cooperative-two-kernels-split"
+    assert launch(1, 8192, 28) == "cooperative-two-kernels"
+    assert launch(1, 16384, 20) == "cooperative-two-kernels-split"
+    assert launch(1, 16384, 28) == "cooperative-two-kernels"
+    assert launch(1, 4096, 24) == "cooperative-two-kernels-split"
+    assert launch(1, 8192, 20, general=True) == "cooperative-two-kernels"
     # one long prompt among short ones (the mean decides the form; the kernel the split per tile)
     assert launch(1, 0, 8, lens=[30000, 100, 37, 1]) == "cooperative-two-kernels-split-on-device"
     assert launch(1, 0, 8, lens=[30000, 100, 37, 1], general=True) == "cooperative-two-kernels-split-on-device"
@@ -98,7 +109,7 @@ def test_segments():
     assert launch(1, 16384, 4) == "cooperative-two-kernels-4-segments"
     assert launch(1, 16384, 2) == "cooperative-two-kernels-4-segments"
     assert launch(1, 131072, 1) == "cooperative-two-kernels-11-segments"
-    assert launch(1, 32768, 8) == "cooperative-one-kernel-split-on-device"
+    assert launch(1, 32768, 8) == "cooperative-one-kernel-split"
     assert launch(1, 65536, 1) == "cooperative-two-kernels-8-segments"
     assert launch(1, 32768, 1) == "cooperative-two-kernels-6-segments"
     assert launch(1, 16384, 5) == "cooperative-two-kernels-3-segments"
@@ -107,7 +118,7 @@ def test_segments():
     assert launch(1, 2 ** 18, 2) == "cooperative-two-kernels-8-segments"
     assert launch(1, 2 ** 18, 3) == "cooperative-two-kernels-6-segments"
     assert launch(1, 2 ** 18, 8) == "cooperative-two-kernels-3-segments"
-    assert launch(1, 131072, 8) == "cooperative-one-kernel-split-on-device"
+    assert launch(1, 131072, 8) == "cooperative-one-kernel-split"
 
 
 def test_tiles_per_owner_up_to_the_sm_count():
@@ -192,24 +203,24 @@ def test_variables_force_their_choice(monkeypatch):
     monkeypatch.delenv("CULA_KDA_VALUE_SPLIT")
 
     monkeypatch.setenv("CULA_KDA_SEGMENTS", "1")
-    assert launch(1, 65536, 4) == "cooperative-one-kernel-split-on-device"
+    assert launch(1, 65536, 4) == "cooperative-one-kernel-split"
     monkeypatch.setenv("CULA_KDA_SEGMENTS", "3")
     assert launch(1, 32768, 8) == "cooperative-two-kernels-3-segments"
     monkeypatch.setenv("CULA_KDA_SEGMENTS", "5")  # 8 tiles x 4 x 5 CTAs do not fit: ignored
-    assert launch(1, 32768, 8) == "cooperative-one-kernel-split-on-device"
+    assert launch(1, 32768, 8) == "cooperative-one-kernel-split"
     monkeypatch.delenv("CULA_KDA_SEGMENTS")
 
     monkeypatch.setenv("CULA_KDA_TILES_PER_OWNER", "3")
     assert launch(1, 8192, 64) == "cooperative-two-kernels-3-tiles-per-owner"
     monkeypatch.setenv("CULA_KDA_TILES_PER_OWNER", "1")  # one tile per owner: the value split rule again
-    assert launch(1, 8192, 64) == "cooperative-two-kernels-split-on-device"
+    assert launch(1, 8192, 64) == "cooperative-two-kernels"
     monkeypatch.delenv("CULA_KDA_TILES_PER_OWNER")
 
     monkeypatch.setenv("CULA_KDA_HELPER_KERNEL", "0")
     assert launch(1, 8192, 64) == "cooperative-one-kernel-2-tiles-per-owner"
     assert launch(1, 65536, 4) == "cooperative-one-kernel-4-segments"
     monkeypatch.setenv("CULA_KDA_HELPER_KERNEL", "1")
-    assert launch(1, 32768, 8) == "cooperative-two-kernels-split-on-device"
+    assert launch(1, 32768, 8) == "cooperative-two-kernels-split"
 
 
 def test_argument_errors():

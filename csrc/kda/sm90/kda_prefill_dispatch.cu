@@ -327,13 +327,12 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   if (env_is("CULA_KDA_HELPER_PICK", "most")) plan.coop.pick_most = true;
   if (env_is("CULA_KDA_HELPER_PICK", "draw")) plan.coop.pick_most = false;
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
-  // tensor-core work per chunk, which pays once the helpers outrun the chain. A helper computes a
-  // chunk in ~12-13 us and the owner's chain takes ~2.6 us per chunk (docs/perf-notes.md), so a
-  // tile needs ~5 helpers to keep one owner busy and more for a faster one. Which tiles those are
-  // depends on the sequence lengths, which only the device reads: the owner region has two CTAs
-  // per tile and the kernel gives a tile its second owner by a model of the launch
-  // (tile_scheduler.cuh: tile_has_two_owners); a tile with one owner lends its second CTA to the
-  // helpers. CULA_KDA_VALUE_SPLIT=1 / =2 (read per call) forces one owner per tile / two for every
+  // tensor-core work per chunk, which pays once the helpers outrun the chain (value_split_pays:
+  // the owner's chain ~2.6 us per chunk, a helper ~7.5 us per chunk with safe gates). With
+  // varlen, which tiles those are depends on the sequence lengths, which only the device reads:
+  // the owner region has two CTAs per tile and the kernel gives a tile its second owner by the
+  // same rule (tile_scheduler.cuh: tile_has_two_owners); a tile with one owner lends its second
+  // CTA to the helpers. With fixed length the host decides (below). CULA_KDA_VALUE_SPLIT=1 / =2 (read per call) forces one owner per tile / two for every
   // tile (2: while two owners per tile leave at least one helper).
   int split = 2;
   bool split_on_device = true;
@@ -353,6 +352,17 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
       forced >= 1 && forced <= 4 && (num_tiles + forced - 1) / forced < sm_count)
     tiles_per_owner = forced;
   if (tiles_per_owner > 1) split = 1;
+  // Fixed length: every tile has the same chunks, so the host takes the device's rule once. Where
+  // it keeps one owner per tile the owner region is then one CTA per tile: the on-device form kept
+  // each tile's second CTA as a helper that joins later, measured 0-6 % slower (B1 T8192 H28 0.393
+  // against 0.370 ms, B1 T16384 H28 0.696 against 0.681; docs/perf-notes.md).
+  if (split == 2 && split_on_device && !split_forced && p.cu_seqlens == nullptr) {
+    if (sm90::value_split_pays(chunks_per_tile, chunks_per_tile * num_tiles, int64_t(sm_count) - 2 * num_tiles,
+                               p.general_gates))
+      split_on_device = false;
+    else
+      split = 1;
+  }
   plan.coop.split_on_device = split == 2 && split_on_device;
   plan.coop.value_split = split;
   plan.coop.tiles_per_owner = tiles_per_owner;

@@ -38,6 +38,18 @@ struct ScheduleWorkspace {
 //                 starts while the helpers run (CooperativePlan::overlap_owners).
 enum class KernelPass : int { kFused = 0, kCooperative = 1, kCoopHelpers = 2 };
 
+// The value split's rule (CooperativePlan::value_split), one function for the host (fixed length:
+// every tile alike, decided once per launch) and the device (varlen: tile_has_two_owners in
+// tile_scheduler.cuh, per tile). A tile gets a second owner when its one-owner chain, 2.6 us per
+// chunk, would outlast the helpers' share of all chunks, counting the fewest helpers the launch can
+// have (every tile with two owners): mine x 2.6 x helpers > total x h, with the helpers at h =
+// 7.5 us per chunk with safe gates (H100, each form in blocks of consecutive calls at 2e14148's
+// kernels: a second owner measured faster up to 26 equal tiles of T4096-T16384 and slower from 28,
+// docs/perf-notes.md) and 12 with general gates (not re-measured).
+__host__ __device__ constexpr bool value_split_pays(int64_t mine, int64_t total, int64_t helpers, bool general_gates) {
+  return mine * 26 * helpers > total * (general_gates ? 120 : 75);
+}
+
 // Cooperative mode. The workspace holds one finished stage (kWorkspaceStageBytes) per chunk slot
 // and value head. Chunk c of sequence n (first token t0) has slot t0 / 64 + n + c within its head:
 // slots of consecutive sequences never overlap (floor(t0' / 64) + 1 >= floor(t0 / 64) +

@@ -90,19 +90,11 @@ struct CooperativeRole {
   bool p_chain = false;  // owner with segments: chains P (U = 0, from S = I) instead of the state
 };
 
-// The value split decided per tile on the device (CooperativePlan::split_on_device). Costs per
-// chunk, measured on an H100 (docs/perf-notes.md): the owner's state chain ~2.6 us with one owner
-// (~1.5 us with two), a helper's intra-chunk work ~12 us. Tile t gets a second owner when its
-// one-owner chain would outlast the helpers' share of all chunks, counting the fewest helpers the
-// launch can have (every tile with two owners):
-//     chunks(t) x 2.6 x helpers > chunks(all tiles) x 12.
-// For equal tiles that is tiles < ~0.15 x SMs (19 of 132 SMs); for one long prompt batched with
-// short ones, the long one's heads split and the short ones' second CTAs help. Every thread of
-// every CTA evaluates the same function of the clamped cu_seqlens, so they all agree; the reads
-// (N + 1 values, N <= 0.4 x SMs / HV in this mode) happen once per launch.
-constexpr int64_t kOwnerChainTenthUs = 26;    // 2.6 us
-constexpr int64_t kHelperChunkTenthUs = 120;  // 12 us
-
+// The value split decided per tile on the device (CooperativePlan::split_on_device), by
+// value_split_pays (kernel_params.cuh) with this tile's and all tiles' chunks: for one long prompt
+// batched with short ones, the long one's heads split and the short ones' second CTAs help. Every
+// thread of every CTA evaluates the same function of the clamped cu_seqlens, so they all agree;
+// the reads (N + 1 values, N <= 0.4 x SMs / HV in this mode) happen once per launch.
 __device__ __forceinline__ int64_t chunks_of(int64_t tokens) { return (tokens + kChunk - 1) / kChunk; }
 
 __device__ __forceinline__ bool tile_has_two_owners(const KdaKernelParams& kp, int t) {
@@ -125,7 +117,7 @@ __device__ __forceinline__ bool tile_has_two_owners(const KdaKernelParams& kp, i
     }
     total *= p.num_v_heads;
   }
-  return mine * kOwnerChainTenthUs * helpers > total * kHelperChunkTenthUs;
+  return value_split_pays(mine, total, helpers, p.general_gates);
 }
 
 __device__ __forceinline__ CooperativeRole cooperative_role(const KdaKernelParams& kp) {
