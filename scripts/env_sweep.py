@@ -26,9 +26,11 @@ replay medians per value.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
+from typing import Iterator
 
 import torch
 
@@ -58,6 +60,34 @@ def parse_shape(text: str) -> Config:
     return Config("fixed", a, b, H, H)
 
 
+@contextlib.contextmanager
+def env_restored(name: str) -> Iterator[None]:
+    """Whatever the block sets ``name`` to, its earlier value (or absence) afterwards."""
+    saved = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def timing_order(values: list[str], reps: int, order: str, block: int) -> list[tuple[str, bool]]:
+    """The calls of a sweep in order, as (value, timed): interleaved, each value once per round;
+    in blocks, per value two untimed calls and then up to ``block`` timed ones, values in turn.
+    Each value gets ``reps`` timed calls either way."""
+    if order == "interleaved":
+        return [(x, True) for _ in range(reps) for x in values]
+    calls, done = [], 0
+    while done < reps:
+        n = min(block, reps - done)
+        for x in values:
+            calls += [(x, False)] * 2 + [(x, True)] * n
+        done += n
+    return calls
+
+
 def sweep(cfg: Config, name: str, values: list[str], reps: int, opt: Options, order: str = "interleaved",
           block: int = 10, sets: int = 1, graph: bool = False) -> list[str]:
     dev = torch.device("cuda")
@@ -71,44 +101,25 @@ def sweep(cfg: Config, name: str, values: list[str], reps: int, opt: Options, or
         n += 1
         return calls[n % sets]()
 
-    saved = os.environ.get(name)
     results, times = {}, {x: [] for x in values}
-    try:
+    graph_ms: dict[str, list[float]] = {x: [] for x in values}
+    with env_restored(name):
         for x in values:
             os.environ[name] = x
             results[x] = calls[0]()
             for _ in range(3):
                 call()
-        if order == "blocks":
-            while len(times[values[-1]]) < reps:
-                for x in values:
-                    os.environ[name] = x
-                    for _ in range(2):
-                        idle_call_ms(call)
-                    for _ in range(min(block, reps - len(times[x]))):
-                        times[x].append(idle_call_ms(call))
-        else:
-            for _ in range(reps):
-                for x in values:
-                    os.environ[name] = x
-                    times[x].append(idle_call_ms(call))
-    finally:
-        if saved is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = saved
-    graph_ms: dict[str, list[float]] = {x: [] for x in values}
-    if graph:  # one CUDA graph per (value, input set), captured with the value set; replays in blocks
-        graphs = {}
-        try:
+        for x, timed in timing_order(values, reps, order, block):
+            os.environ[name] = x
+            t = idle_call_ms(call)
+            if timed:
+                times[x].append(t)
+        if graph:  # one CUDA graph per (value, input set), captured with the value set; replays in blocks
+            graphs = {}
             for x in values:
                 os.environ[name] = x
                 graphs[x] = capture_graphs(calls)
-        finally:
-            if saved is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = saved
+    if graph:
         p = TimingParams(warmup=2, min_reps=block, max_reps=block, min_time_s=0.0)
         for _ in range(max(1, reps // block)):
             for x in values:

@@ -585,6 +585,40 @@ def test_env_sweep_shapes():
         env_sweep.parse_shape("zipf:10x8192x64")
 
 
+def test_env_sweep_orders(monkeypatch):
+    """scripts/env_sweep.py's call orders: every value gets --reps timed calls; interleaved
+    alternates call by call, blocks give each value two untimed calls and then up to --block timed
+    ones in a row; the swept variable is restored afterwards (set or unset)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("env_sweep", os.path.join(ROOT, "scripts", "env_sweep.py"))
+    env_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(env_sweep)
+    assert env_sweep.timing_order(["0", "1"], 2, "interleaved", 10) == [("0", True), ("1", True)] * 2
+    calls = env_sweep.timing_order(["0", "1"], 25, "blocks", 10)
+    for x in ("0", "1"):
+        assert sum(1 for v, timed in calls if v == x and timed) == 25
+    runs = []  # (value, timed) runs in order
+    for v, timed in calls:
+        if runs and tuple(runs[-1][:2]) == (v, timed):
+            runs[-1][2] += 1
+        else:
+            runs.append([v, timed, 1])
+    assert [tuple(r) for r in runs] == [
+        ("0", False, 2), ("0", True, 10), ("1", False, 2), ("1", True, 10),
+        ("0", False, 2), ("0", True, 10), ("1", False, 2), ("1", True, 10),
+        ("0", False, 2), ("0", True, 5), ("1", False, 2), ("1", True, 5)]
+    monkeypatch.setenv("CULA_KDA_TEST_KNOB", "keep")
+    with env_sweep.env_restored("CULA_KDA_TEST_KNOB"):
+        os.environ["CULA_KDA_TEST_KNOB"] = "1"
+    assert os.environ["CULA_KDA_TEST_KNOB"] == "keep"
+    monkeypatch.delenv("CULA_KDA_TEST_KNOB")
+    with pytest.raises(RuntimeError):
+        with env_sweep.env_restored("CULA_KDA_TEST_KNOB"):
+            os.environ["CULA_KDA_TEST_KNOB"] = "2"
+            raise RuntimeError("a failed call")
+    assert "CULA_KDA_TEST_KNOB" not in os.environ
+
+
 def test_eager_timeline_rows_are_the_benchmarks():
     """scripts/eager_timeline.py (the rows scripts/ab_extension.sh A/Bs): every row is the
     benchmark's target row of the same shape, varlen lengths included, so an A/B there speaks for

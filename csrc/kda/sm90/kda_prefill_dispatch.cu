@@ -187,7 +187,8 @@ int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, 
   for (int g = 3; fits(g); ++g) {
     const double helpers = double(sm_count - tiles * (4 * g - 4));
     const double seg = kChainUs * double((chunks_per_tile + g - 1) / g);
-    const double us = std::max(seg, kHelperUs * double(all_chunks) / helpers) + kFixUpUs * double(g - 2) + seg + kStartUs;
+    const double us =
+        std::max(seg, kHelperUs * double(all_chunks) / helpers) + kFixUpUs * double(g - 2) + seg + kStartUs;
     if (us < best_us) {
       best_us = us;
       best = g;
@@ -332,8 +333,9 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   // varlen, which tiles those are depends on the sequence lengths, which only the device reads:
   // the owner region has two CTAs per tile and the kernel gives a tile its second owner by the
   // same rule (tile_scheduler.cuh: tile_has_two_owners); a tile with one owner lends its second
-  // CTA to the helpers. With fixed length the host decides (below). CULA_KDA_VALUE_SPLIT=1 / =2 (read per call) forces one owner per tile / two for every
-  // tile (2: while two owners per tile leave at least one helper).
+  // CTA to the helpers. With fixed length the host decides (below). CULA_KDA_VALUE_SPLIT=1 / =2
+  // (read per call) forces one owner per tile / two for every tile (2: while two owners per tile
+  // leave at least one helper).
   int split = 2;
   bool split_on_device = true;
   const bool split_forced = env_is("CULA_KDA_VALUE_SPLIT", "1") || env_is("CULA_KDA_VALUE_SPLIT", "2");

@@ -45,7 +45,8 @@ enum class KernelPass : int { kFused = 0, kCooperative = 1, kCoopHelpers = 2 };
 // have (every tile with two owners): mine x 2.6 x helpers > total x h, with the helpers at h =
 // 7.5 us per chunk with safe gates (H100, each form in blocks of consecutive calls at 2e14148's
 // kernels: a second owner measured faster up to 26 equal tiles of T4096-T16384 and slower from 28,
-// docs/perf-notes.md) and 12 with general gates (not re-measured).
+// docs/perf-notes.md) and 12 with general gates (not re-measured). In tenths of a microsecond, so
+// that the comparison stays in integers on both sides.
 __host__ __device__ constexpr bool value_split_pays(int64_t mine, int64_t total, int64_t helpers, bool general_gates) {
   return mine * 26 * helpers > total * (general_gates ? 120 : 75);
 }
