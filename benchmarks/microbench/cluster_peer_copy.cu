@@ -7,7 +7,11 @@
 //      actually runs them all at once (every CTA waits at a grid-wide counter, with a timeout);
 //   2. the latency of an 8 KB shared-to-peer-shared bulk copy (cp.async.bulk.shared::cluster,
 //      completing on the receiver's mbarrier), the size of the per-chunk hand-off (A_qk or M - I
-//      in bf16), by ping-pong between the two CTAs of a cluster.
+//      in bf16), by ping-pong between the two CTAs of a cluster. The one-way figure is half a
+//      round trip: the copy plus the receiver noticing it (its mbarrier wait) and issuing the
+//      reply, which is what a hand-off on a chain costs. Cycles are SM clocks (clock64); the us
+//      figure divides by the maximum clock (cudaDevAttrClockRate), exact only at that clock.
+//      Co-residency: all clusters ran at once only if no CTA timed out.
 //
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -I csrc/kda/sm90 \
 //        -o cluster_peer_copy benchmarks/microbench/cluster_peer_copy.cu && ./cluster_peer_copy
@@ -101,6 +105,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1) peer_pi
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // out[] visible to the bulk copy
+  __syncwarp();  // the .aligned cluster barrier after thread 0's branch
   cluster_sync();
   if (threadIdx.x == 0) {
     const uint32_t my_bar = smem_addr(bar);
@@ -119,6 +124,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1) peer_pi
     }
     if (rank == 0) *cycles = (clock64() - t0) / (iters - 1);
   }
+  __syncwarp();
   cluster_sync();  // neither CTA leaves while the other may still copy into it
 }
 
