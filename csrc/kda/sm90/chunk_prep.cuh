@@ -66,10 +66,16 @@ static_assert(offsetof(SharedStorage, v_new) == offsetof(SharedStorage, state_bf
 // SharedStorage::state_bf16 (with v_new after it).
 // `timer` (profile builds, -DCULA_KDA_PROFILE; a no-op otherwise): phase 8 = steps 1-3 up to the
 // operands (row statistics, gates, cumulative sums, QE / KE / KT), phase 9 = the exact pass.
-template <bool kGateInKernel, bool kL2Norm, Decays kDecays>
+//
+// kThreads = 128 (the pair form's prep warpgroup, pair_intra_math.cuh; safe gates): one warpgroup
+// takes blocks b and b + 2 in two passes, with the same arithmetic per element.
+template <bool kGateInKernel, bool kL2Norm, Decays kDecays, int kThreads = kPrepThreads>
 __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* state_tiles, int rows,
                                                  const GateConstants& gc, int tid, PhaseTimer& timer) {
   constexpr bool kGeneral = kDecays != Decays::kSafe;
+  static_assert(kThreads == kPrepThreads || (kThreads == kWarpgroupThreads && !kGeneral),
+                "two state warpgroups, or one with safe gates");
+  constexpr int kPasses = kPrepThreads / kThreads;
   constexpr bool kHalf = half_operands(kDecays, kL2Norm);  // fp16 A-product operands
   constexpr NamedBarrierId bar = NamedBarrierId::kStatePrep;
   uint8_t* const scratch = kGeneral ? state_tiles + kPrepGeneralScratchOffset : st.aqk;
@@ -78,48 +84,58 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* stat
   float (*totals)[kHeadDim] = reinterpret_cast<float (*)[kHeadDim]>(scratch + kPrepTotalsOffset);
   // General gates: the state tiles are shared by both warpgroups here; each may still be storing
   // the previous chunk's o through its own.
-  if constexpr (kGeneral) named_barrier_sync(bar, kPrepThreads);
+  if constexpr (kGeneral) named_barrier_sync(bar, kThreads);
 
-  fill_rows_past_end<kGateInKernel, kPrepThreads>(st, rows, bar, tid);
-  row_statistics<kL2Norm, kPrepThreads>(st, rnorm, row_stats, rows, bar, tid);
+  fill_rows_past_end<kGateInKernel, kThreads>(st, rows, bar, tid);
+  // (four parts also with one warpgroup: the same sums as the two state warpgroups')
+  row_statistics<kL2Norm, kThreads, kPrepThreads / kChunk>(st, rnorm, row_stats, rows, bar, tid);
 
-  const int b = tid >> 6, cp = tid & 63, col = 2 * cp, row0 = kSubBlock * b;
+  const int cp = tid & 63, col = 2 * cp;
   const PairColumn addr(cp);
-  uint32_t qx[kSubBlock], kx[kSubBlock];
-  float G0[kSubBlock], G1[kSubBlock];
-  float cum0 = 0.f, cum1 = 0.f;  // from the block's start
-  load_block_cumsum<kGateInKernel, kDecays>(st, addr, row0, gc, cum0, cum1, qx, kx, G0, G1);
-  *reinterpret_cast<float2*>(&totals[b][col]) = make_float2(cum0, cum1);
-  // A wide feature (general gates: its decay over the block exceeds wide_span_log2, 14 with
-  // fp16 operands) takes its factors against the block's start (0 here), so that e = exp2(G) <= 1.
-  bool wide0 = false, wide1 = false;
-  if constexpr (kGeneral) {
-    wide0 = -cum0 > wide_span_log2(kHalf);
-    wide1 = -cum1 > wide_span_log2(kHalf);
-    st.wide_pair[b][cp] = uint8_t((wide0 ? 1 : 0) | (wide1 ? 2 : 0));
-  }
-  store_block_operands<kGeneral, kL2Norm, kHalf>(st, addr, row0, G0, G1, cum0, cum1, wide0 ? 0.f : cum0,
-                                          wide1 ? 0.f : cum1, qx, kx, rnorm);
-  timer.mark(8);
-  if constexpr (kGeneral) {
-    const int warp = tid >> 5;
-    float* partials = reinterpret_cast<float*>(state_tiles + kPrepPartialsOffset);
-    wide_diagonal_terms<kL2Norm>(partials + ((b * 2 + (warp & 1)) * 2) * 256,
-                                 smem_u32(state_tiles + kPrepStagingOffset + warp * kWideStagingBytes), G0, G1, qx,
-                                 kx, wide0, wide1, rnorm, b, tid);
-    timer.mark(9);
-  }
-  named_barrier_sync(bar, kPrepThreads);  // every block's total (and partial corrections) is written
-  float off0 = 0.f, off1 = 0.f;
+  float cum0[kPasses], cum1[kPasses];  // from the block's start
 #pragma unroll
-  for (int e = 0; e < kNumSubBlocks - 1; ++e) {
-    if (e < b) {
-      const float2 t = *reinterpret_cast<const float2*>(&totals[e][col]);
-      off0 += t.x;
-      off1 += t.y;
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int b = (tid >> 6) + pass * (kThreads / 64), row0 = kSubBlock * b;
+    uint32_t qx[kSubBlock], kx[kSubBlock];
+    float G0[kSubBlock], G1[kSubBlock];
+    cum0[pass] = 0.f, cum1[pass] = 0.f;
+    load_block_cumsum<kGateInKernel, kDecays>(st, addr, row0, gc, cum0[pass], cum1[pass], qx, kx, G0, G1);
+    *reinterpret_cast<float2*>(&totals[b][col]) = make_float2(cum0[pass], cum1[pass]);
+    // A wide feature (general gates: its decay over the block exceeds wide_span_log2, 14 with
+    // fp16 operands) takes its factors against the block's start (0 here), so that e = exp2(G) <= 1.
+    bool wide0 = false, wide1 = false;
+    if constexpr (kGeneral) {
+      wide0 = -cum0[pass] > wide_span_log2(kHalf);
+      wide1 = -cum1[pass] > wide_span_log2(kHalf);
+      st.wide_pair[b][cp] = uint8_t((wide0 ? 1 : 0) | (wide1 ? 2 : 0));
+    }
+    store_block_operands<kGeneral, kL2Norm, kHalf>(st, addr, row0, G0, G1, cum0[pass], cum1[pass],
+                                                   wide0 ? 0.f : cum0[pass], wide1 ? 0.f : cum1[pass], qx, kx, rnorm);
+    timer.mark(8);
+    if constexpr (kGeneral) {
+      const int warp = tid >> 5;
+      float* partials = reinterpret_cast<float*>(state_tiles + kPrepPartialsOffset);
+      wide_diagonal_terms<kL2Norm>(partials + ((b * 2 + (warp & 1)) * 2) * 256,
+                                   smem_u32(state_tiles + kPrepStagingOffset + warp * kWideStagingBytes), G0, G1, qx,
+                                   kx, wide0, wide1, rnorm, b, tid);
+      timer.mark(9);
     }
   }
-  *reinterpret_cast<float2*>(&st.r_block[b][col]) = make_float2(off0 + cum0, off1 + cum1);
+  named_barrier_sync(bar, kThreads);  // every block's total (and partial corrections) is written
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int b = (tid >> 6) + pass * (kThreads / 64);
+    float off0 = 0.f, off1 = 0.f;
+#pragma unroll
+    for (int e = 0; e < kNumSubBlocks - 1; ++e) {
+      if (e < b) {
+        const float2 t = *reinterpret_cast<const float2*>(&totals[e][col]);
+        off0 += t.x;
+        off1 += t.y;
+      }
+    }
+    *reinterpret_cast<float2*>(&st.r_block[b][col]) = make_float2(off0 + cum0[pass], off1 + cum1[pass]);
+  }
   if constexpr (kGeneral) {
     // The two warps' partials of each block added in a fixed order (deterministic), as step 5 of
     // the intra-chunk warpgroup's own prep adds them. Entries j >= i hold whatever was there:
@@ -128,7 +144,7 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* stat
     const float4* partials = reinterpret_cast<const float4*>(state_tiles + kPrepPartialsOffset);
     float4* corr = reinterpret_cast<float4*>(st.aqk);
 #pragma unroll
-    for (int x = tid; x < kNumSubBlocks * 2 * 64; x += kPrepThreads) {
+    for (int x = tid; x < kNumSubBlocks * 2 * 64; x += kThreads) {
       const int blk = x >> 7, which = (x >> 6) & 1, e = x & 63;
       const float4 a = partials[((blk * 2 + 0) * 2 + which) * 64 + e];
       const float4 b = partials[((blk * 2 + 1) * 2 + which) * 64 + e];
@@ -139,7 +155,7 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* stat
   fence_smem_to_async_proxy();
   // General gates: every thread is done reading the partials and totals in the state tiles before
   // either warpgroup writes its S and v_new tiles there for the next chunk.
-  if constexpr (kGeneral) named_barrier_sync(bar, kPrepThreads);
+  if constexpr (kGeneral) named_barrier_sync(bar, kThreads);
 }
 
 }  // namespace cula::kda::sm90

@@ -417,40 +417,48 @@ __device__ __forceinline__ void fill_rows_past_end(StageStorage& st, int rows, N
 // features [128 / kParts * part, ...) of q and k; row_stats holds [3][kParts][64] partial sums,
 // added in part order by threads 0..63, which write the l2-norm reciprocals (rnorm: q rows, then
 // k rows) and A_qk's diagonal into the stage. (v stays as loaded: beta enters U in step 8.)
-template <bool kL2Norm, int kThreads>
+// kParts (default: one per 64 threads) may be twice that: each thread then sums two parts in
+// turn, in the same order as twice the threads would (the pair form's prep warpgroup takes the
+// fused kernel's four parts: bitwise its statistics).
+template <bool kL2Norm, int kThreads, int kParts = kThreads / kChunk>
 __device__ __forceinline__ void row_statistics(StageStorage& st, float* rnorm, float* row_stats, int rows,
                                                NamedBarrierId bar, int tid) {
-  constexpr int kParts = kThreads / kChunk;
   constexpr int kChunksPerPart = 16 / kParts;  // 16-byte chunks of a row per part
-  static_assert(kParts == 2 || kParts == 4, "128 or 256 threads");
-  const int r = tid & 63, part = tid >> 6;
-  const int box = (part * kChunksPerPart) >> 3, chunk0 = (part * kChunksPerPart) & 7;
-  const uint8_t* q_row = st.q + box * kBoxBytes;
-  const uint8_t* k_row = st.k + box * kBoxBytes;
-  uint4 qraw[kChunksPerPart], kraw[kChunksPerPart];
+  constexpr int kPartsPerThread = kParts * kChunk / kThreads;
+  static_assert(kParts == 2 || kParts == 4, "two or four parts");
+  static_assert(kPartsPerThread == 1 || kPartsPerThread == 2, "128 or 256 threads");
+  const int r = tid & 63;
 #pragma unroll
-  for (int x = 0; x < kChunksPerPart; ++x) {
-    qraw[x] = *reinterpret_cast<const uint4*>(q_row + sw128_chunk_offset(r, chunk0 + x));
-    kraw[x] = *reinterpret_cast<const uint4*>(k_row + sw128_chunk_offset(r, chunk0 + x));
-  }
-  float qq = 0.f, kk = 0.f, qk = 0.f;
+  for (int pp = 0; pp < kPartsPerThread; ++pp) {
+    const int part = (tid >> 6) + pp * (kThreads / kChunk);
+    const int box = (part * kChunksPerPart) >> 3, chunk0 = (part * kChunksPerPart) & 7;
+    const uint8_t* q_row = st.q + box * kBoxBytes;
+    const uint8_t* k_row = st.k + box * kBoxBytes;
+    uint4 qraw[kChunksPerPart], kraw[kChunksPerPart];
 #pragma unroll
-  for (int x = 0; x < kChunksPerPart; ++x) {
-    const uint32_t qw[4] = {qraw[x].x, qraw[x].y, qraw[x].z, qraw[x].w};
-    const uint32_t kw[4] = {kraw[x].x, kraw[x].y, kraw[x].z, kraw[x].w};
+    for (int x = 0; x < kChunksPerPart; ++x) {
+      qraw[x] = *reinterpret_cast<const uint4*>(q_row + sw128_chunk_offset(r, chunk0 + x));
+      kraw[x] = *reinterpret_cast<const uint4*>(k_row + sw128_chunk_offset(r, chunk0 + x));
+    }
+    float qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const float2 a = bf16x2_to_float2(qw[u]), b = bf16x2_to_float2(kw[u]);
-      qk = fmaf(a.x, b.x, fmaf(a.y, b.y, qk));
-      if constexpr (kL2Norm) {
-        qq = fmaf(a.x, a.x, fmaf(a.y, a.y, qq));
-        kk = fmaf(b.x, b.x, fmaf(b.y, b.y, kk));
+    for (int x = 0; x < kChunksPerPart; ++x) {
+      const uint32_t qw[4] = {qraw[x].x, qraw[x].y, qraw[x].z, qraw[x].w};
+      const uint32_t kw[4] = {kraw[x].x, kraw[x].y, kraw[x].z, kraw[x].w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float2 a = bf16x2_to_float2(qw[u]), b = bf16x2_to_float2(kw[u]);
+        qk = fmaf(a.x, b.x, fmaf(a.y, b.y, qk));
+        if constexpr (kL2Norm) {
+          qq = fmaf(a.x, a.x, fmaf(a.y, a.y, qq));
+          kk = fmaf(b.x, b.x, fmaf(b.y, b.y, kk));
+        }
       }
     }
+    row_stats[(0 * kParts + part) * kChunk + r] = qq;
+    row_stats[(1 * kParts + part) * kChunk + r] = kk;
+    row_stats[(2 * kParts + part) * kChunk + r] = qk;
   }
-  row_stats[(0 * kParts + part) * kChunk + r] = qq;
-  row_stats[(1 * kParts + part) * kChunk + r] = kk;
-  row_stats[(2 * kParts + part) * kChunk + r] = qk;
   named_barrier_sync(bar, kThreads);
   if (tid < kChunk) {
     const auto sum = [&](int stat) {
@@ -576,7 +584,9 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
 // factor for an earlier block bj is then exp2(r_{w-1} - r_bj) <= 1 and whose diagonal-block
 // terms are left to the exact pass: factor 0).
 // kHalf (half_operands): QE, KE, KT are fp16, and so are the scale pairs and the products.
-template <bool kGeneral = false, bool kHalf = false>
+// kWantQ / kWantK: form A_qk / A_kk (the pair form's CTAs each form one: pair_intra_math.cuh; the
+// other accumulator stays zero).
+template <bool kGeneral = false, bool kHalf = false, bool kWantQ = true, bool kWantK = true>
 __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st, const float (*a_ref)[kHeadDim],
                                                          int warp, int lane, float (&aqk)[kNumSubBlocks][8],
                                                          float (&akk)[kNumSubBlocks][8]) {
@@ -601,8 +611,8 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
   const auto fetch = [&](int ks, uint32_t (&qf)[4], uint32_t (&kf)[4], uint32_t (&sc_lo)[kNumSubBlocks],
                          uint32_t (&sc_hi)[kNumSubBlocks]) {
     const uint32_t lm_off = (ks >> 2) * kBoxBytes + sw128_chunk_offset(lm_row, (ks & 3) * 2 + lm_hi);
-    ldmatrix_x4(q_base + lm_off, qf);
-    ldmatrix_x4(k_base + lm_off, kf);
+    if constexpr (kWantQ) ldmatrix_x4(q_base + lm_off, qf);
+    if constexpr (kWantK) ldmatrix_x4(k_base + lm_off, kf);
     // Features of this thread's fragment: c0, c0+1 (regs 0, 1) and c0+8, c0+9 (regs 2, 3).
     const int c0 = ks * 16 + 2 * t4;
     const float rw0 = ref[warp][c0], rw1 = ref[warp][c0 + 1];
@@ -649,26 +659,26 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const uint32_t sc = r < 2 ? sc_lo[bj] : sc_hi[bj];
-        qa[bj][r] = kHalf ? half2_mul(qf[r], sc) : bf16x2_mul(qf[r], sc);
-        ka[bj][r] = kHalf ? half2_mul(kf[r], sc) : bf16x2_mul(kf[r], sc);
+        if constexpr (kWantQ) qa[bj][r] = kHalf ? half2_mul(qf[r], sc) : bf16x2_mul(qf[r], sc);
+        if constexpr (kWantK) ka[bj][r] = kHalf ? half2_mul(kf[r], sc) : bf16x2_mul(kf[r], sc);
       }
     }
 
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
-      fence_accumulators(aqk[bj]);
-      fence_accumulators(akk[bj]);
+      if constexpr (kWantQ) fence_accumulators(aqk[bj]);
+      if constexpr (kWantK) fence_accumulators(akk[bj]);
     }
     wgmma_fence();
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
       const uint64_t db = desc_advance(desc_k_major(kt_base), box_off + bj * (kSubBlock * 128) + (ks & 3) * 32);
       if constexpr (kHalf) {
-        wgmma_rs_f16<16, Major::K>(qa[bj], db, aqk[bj], true);
-        wgmma_rs_f16<16, Major::K>(ka[bj], db, akk[bj], true);
+        if constexpr (kWantQ) wgmma_rs_f16<16, Major::K>(qa[bj], db, aqk[bj], true);
+        if constexpr (kWantK) wgmma_rs_f16<16, Major::K>(ka[bj], db, akk[bj], true);
       } else {
-        wgmma_rs_n16(qa[bj], db, aqk[bj], true);
-        wgmma_rs_n16(ka[bj], db, akk[bj], true);
+        if constexpr (kWantQ) wgmma_rs_n16(qa[bj], db, aqk[bj], true);
+        if constexpr (kWantK) wgmma_rs_n16(ka[bj], db, akk[bj], true);
       }
     }
     wgmma_commit();
@@ -678,10 +688,10 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
     wgmma_wait<0>();
 #pragma unroll
     for (int bj = 0; bj < kNumSubBlocks; ++bj) {
-      fence_fragment(qa[bj]);
-      fence_fragment(ka[bj]);
-      fence_accumulators(aqk[bj]);
-      fence_accumulators(akk[bj]);
+      if constexpr (kWantQ) fence_fragment(qa[bj]);
+      if constexpr (kWantK) fence_fragment(ka[bj]);
+      if constexpr (kWantQ) fence_accumulators(aqk[bj]);
+      if constexpr (kWantK) fence_accumulators(akk[bj]);
     }
   }
 }
@@ -701,6 +711,84 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
           float2_to_bf16x2(acc[n8 * 4 + h2 * 2], acc[n8 * 4 + h2 * 2 + 1]);
     }
   }
+}
+
+// Step 6 on the stage: QG = QE exp2(r_b) = q exp2(G) in the q slot, KG = beta KE exp2(r_b) in the k
+// slot (in place; kFoldDecay: KT' in the g slot too); thread (h, cp) = (tid / 64, tid % 64) owns
+// features 2 cp, 2 cp + 1 of rows [32 h, 32 h + 32). For W, beta goes into the right-hand operand
+// KG row by row (rounded per element) rather than into the columns of M, whose unit diagonal would
+// then carry one bf16 rounding of beta_j into everything row j contributes; U takes it
+// differently (step 8). (Fused kernels: KG is the state warpgroups' operand of X = KG S, same
+// rounding.)
+template <bool kGeneral, bool kHalf, bool kFoldDecay, bool kAqkHalf>
+__device__ __forceinline__ void form_qg_kg(StageStorage& st, const float (*a_ref)[kHeadDim], int tid) {
+  const int h = tid >> 6, cp = tid & 63;
+  const PairColumn addr(cp);
+#pragma unroll
+  for (int bb = 0; bb < 2; ++bb) {
+    const int b = 2 * h + bb, row0 = kSubBlock * b;
+    // exp2 of the block's reference: r_b, or r_{b-1} for a wide feature (general gates).
+    const float2 rb = *reinterpret_cast<const float2*>(kGeneral ? &a_ref[b][2 * cp] : &st.r_block[b][2 * cp]);
+    // kHalf: QE, KE carry 2^-7, KT 2^7 (store_block_operands)
+    const float s0 = fast_exp2(kHalf ? rb.x + kHalfShiftLog2 : rb.x);
+    const float s1 = fast_exp2(kHalf ? rb.y + kHalfShiftLog2 : rb.y);
+    uint32_t qx[kSubBlock], kx[kSubBlock];
+    float betas[kSubBlock];  // loaded before the stores (see intra_prepare_operands)
+#pragma unroll
+    for (int ii = 0; ii < kSubBlock; ++ii) {
+      qx[ii] = ld_bf16x2(st.q, addr(row0 + ii));
+      kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
+    }
+    // The cooperative helpers' KT' = KT exp2(r_3 - r_b) in place (both factors <= 1; KT is
+    // referenced to the block end r_b for every feature, also a wide one under general gates,
+    // whose QG/KG reference `rb` above is r_{b-1}: so r_b from r_block here; kHalf: times
+    // 2^-7 as well). The fused kernels leave KT as the prep stored it.
+    if constexpr (kFoldDecay) {
+      const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
+      const float2 rend = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
+      const float f0 = fast_exp2(kHalf ? r3.x - rend.x - kHalfShiftLog2 : r3.x - rend.x);
+      const float f1 = fast_exp2(kHalf ? r3.y - rend.y - kHalfShiftLog2 : r3.y - rend.y);
+      uint32_t gx[kSubBlock];
+#pragma unroll
+      for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));
+#pragma unroll
+      for (int ii = 0; ii < kSubBlock; ++ii) {
+        const float2 kt = kHalf ? half2_to_float2(gx[ii]) : bf16x2_to_float2(gx[ii]);
+        // kAqkHalf: the owners take the state update in fp16 (owner_state_math.cuh); KT' <= 1
+        if constexpr (kFoldDecay && kAqkHalf)
+          *reinterpret_cast<uint32_t*>(st.g + addr(row0 + ii)) = float2_to_half2(kt.x * f0, kt.y * f1);
+        else
+          st_bf16x2(st.g, addr(row0 + ii), kt.x * f0, kt.y * f1);
+      }
+    }
+#pragma unroll
+    for (int x = 0; x < kSubBlock / 4; ++x) {
+      const float4 b4 = *reinterpret_cast<const float4*>(&st.beta[row0 + 4 * x]);
+      betas[4 * x] = b4.x, betas[4 * x + 1] = b4.y, betas[4 * x + 2] = b4.z, betas[4 * x + 3] = b4.w;
+    }
+#pragma unroll
+    for (int ii = 0; ii < kSubBlock; ++ii) {
+      const float beta = betas[ii];
+      const float2 qv = kHalf ? half2_to_float2(qx[ii]) : bf16x2_to_float2(qx[ii]);
+      const float2 kv = kHalf ? half2_to_float2(kx[ii]) : bf16x2_to_float2(kx[ii]);
+      st_bf16x2(st.q, addr(row0 + ii), qv.x * s0, qv.y * s1);
+      st_bf16x2(st.k, addr(row0 + ii), kv.x * (s0 * beta), kv.y * (s1 * beta));
+    }
+  }
+}
+
+// Step 8 of the fused kernels: M - I (bf16, K-major SW128 A operand: one 64 x 64 box) from the
+// inverse's accumulator fragment. M's diagonal is exactly 1 (unit diagonal blocks, strictly
+// block-lower N), so M - I is 0 there.
+__device__ __forceinline__ void store_m_minus_identity(uint8_t* tile, const float (&m)[32], int warp, int g4, int t4) {
+#pragma unroll
+  for (int n8 = 0; n8 < 8; ++n8)
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int i = kSubBlock * warp + g4 + 8 * h2, j = 8 * n8 + 2 * t4;
+      const float m0 = i == j ? 0.f : m[n8 * 4 + h2 * 2], m1 = i == j + 1 ? 0.f : m[n8 * 4 + h2 * 2 + 1];
+      *reinterpret_cast<uint32_t*>(tile + sw128_offset(i, j, kChunk)) = float2_to_bf16x2(m0, m1);
+    }
 }
 
 // Steps 1-8 on the stage of one chunk with `rows` valid rows (kGeneral: general gates).
@@ -849,66 +937,8 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
     timer.mark(3);
 
     named_barrier_sync(ws.bar, 128);  // every warp done reading QE/KE (step 4)
-    // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b); thread owns 2 features x 32 rows.
-    // For W, beta goes into the right-hand operand KG row by row (rounded per element) rather than
-    // into the columns of M, whose unit diagonal would then carry one bf16 rounding of beta_j into
-    // everything row j contributes; U takes it differently (step 8). (Fused kernels: KG is the
-    // state warpgroups' operand of X = KG S, same rounding.)
-    if (warm_from <= 6) {
-      const int h = tid >> 6, cp = tid & 63;
-      const PairColumn addr(cp);
-#pragma unroll
-      for (int bb = 0; bb < 2; ++bb) {
-        const int b = 2 * h + bb, row0 = kSubBlock * b;
-        // exp2 of the block's reference: r_b, or r_{b-1} for a wide feature (general gates).
-        const float2 rb = *reinterpret_cast<const float2*>(kGeneral ? &ws.a_ref[b][2 * cp] : &st.r_block[b][2 * cp]);
-        // kHalf: QE, KE carry 2^-7, KT 2^7 (store_block_operands)
-        const float s0 = fast_exp2(kHalf ? rb.x + kHalfShiftLog2 : rb.x);
-        const float s1 = fast_exp2(kHalf ? rb.y + kHalfShiftLog2 : rb.y);
-        uint32_t qx[kSubBlock], kx[kSubBlock];
-        float betas[kSubBlock];  // loaded before the stores (see intra_prepare_operands)
-#pragma unroll
-        for (int ii = 0; ii < kSubBlock; ++ii) {
-          qx[ii] = ld_bf16x2(st.q, addr(row0 + ii));
-          kx[ii] = ld_bf16x2(st.k, addr(row0 + ii));
-        }
-        // The cooperative helpers' KT' = KT exp2(r_3 - r_b) in place (both factors <= 1; KT is
-        // referenced to the block end r_b for every feature, also a wide one under general gates,
-        // whose QG/KG reference `rb` above is r_{b-1}: so r_b from r_block here; kHalf: times
-        // 2^-7 as well). The fused kernels leave KT as the prep stored it.
-        if constexpr (kFoldDecay) {
-          const float2 r3 = *reinterpret_cast<const float2*>(&st.r_block[kNumSubBlocks - 1][2 * cp]);
-          const float2 rend = *reinterpret_cast<const float2*>(&st.r_block[b][2 * cp]);
-          const float f0 = fast_exp2(kHalf ? r3.x - rend.x - kHalfShiftLog2 : r3.x - rend.x);
-          const float f1 = fast_exp2(kHalf ? r3.y - rend.y - kHalfShiftLog2 : r3.y - rend.y);
-          uint32_t gx[kSubBlock];
-#pragma unroll
-          for (int ii = 0; ii < kSubBlock; ++ii) gx[ii] = ld_bf16x2(st.g, addr(row0 + ii));
-#pragma unroll
-          for (int ii = 0; ii < kSubBlock; ++ii) {
-            const float2 kt = kHalf ? half2_to_float2(gx[ii]) : bf16x2_to_float2(gx[ii]);
-            // kAqkHalf: the owners take the state update in fp16 (owner_state_math.cuh); KT' <= 1
-            if constexpr (kFoldDecay && kAqkHalf)
-              *reinterpret_cast<uint32_t*>(st.g + addr(row0 + ii)) = float2_to_half2(kt.x * f0, kt.y * f1);
-            else
-              st_bf16x2(st.g, addr(row0 + ii), kt.x * f0, kt.y * f1);
-          }
-        }
-#pragma unroll
-        for (int x = 0; x < kSubBlock / 4; ++x) {
-          const float4 b4 = *reinterpret_cast<const float4*>(&st.beta[row0 + 4 * x]);
-          betas[4 * x] = b4.x, betas[4 * x + 1] = b4.y, betas[4 * x + 2] = b4.z, betas[4 * x + 3] = b4.w;
-        }
-#pragma unroll
-        for (int ii = 0; ii < kSubBlock; ++ii) {
-          const float beta = betas[ii];
-          const float2 qv = kHalf ? half2_to_float2(qx[ii]) : bf16x2_to_float2(qx[ii]);
-          const float2 kv = kHalf ? half2_to_float2(kx[ii]) : bf16x2_to_float2(kx[ii]);
-          st_bf16x2(st.q, addr(row0 + ii), qv.x * s0, qv.y * s1);
-          st_bf16x2(st.k, addr(row0 + ii), kv.x * (s0 * beta), kv.y * (s1 * beta));
-        }
-      }
-    }
+    // Step 6: QG = QE * exp2(r_b), KG = beta * KE * exp2(r_b) (form_qg_kg).
+    if (warm_from <= 6) form_qg_kg<kGeneral, kHalf, kFoldDecay, kAqkHalf>(st, ws.a_ref, tid);
     if constexpr (kFoldDecay) {
       // Cooperative helpers: the stage's head (QG, KT', A_qk) is final; the storer copies it out
       // while the inverse runs, and the producer then loads the next chunk's q and g over it
@@ -944,15 +974,7 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
       // fold M into their chain, v_new = M (beta v - KG S) = Y + (M - I) Y (state_math.cuh), so
       // W and U are never formed: KG stays in the k slot and v in the v slot. M's diagonal is
       // exactly 1 (unit diagonal blocks, strictly block-lower N), so M - I is 0 there.
-#pragma unroll
-      for (int n8 = 0; n8 < 8; ++n8)
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = kSubBlock * warp + g4 + 8 * h2, j = 8 * n8 + 2 * t4;
-          const float m0 = i == j ? 0.f : m[n8 * 4 + h2 * 2], m1 = i == j + 1 ? 0.f : m[n8 * 4 + h2 * 2 + 1];
-          *reinterpret_cast<uint32_t*>(ws.scratch + kMTileOffset + sw128_offset(i, j, kChunk)) =
-              float2_to_bf16x2(m0, m1);
-        }
+      store_m_minus_identity(ws.scratch + kMTileOffset, m, warp, g4, t4);
     } else {
       // Step 8: W = M KG -> k slot (the cooperative helpers: -W), U = ((M - I) diag(beta)) v + beta v -> v slot. The A operands
       // come straight from the inverse's accumulator (the bf16 m64k16 fragment of k-step ks is

@@ -403,6 +403,18 @@ bool longest_first_schedule(const KdaPrefillParams& p, int sm_count) {
   return !force_index && num_tiles > sm_count && num_tiles <= INT_MAX && p.num_seqs <= sm90::kSortMaxSeqs;
 }
 
+// The pair form (kernel_params.cuh: KernelPass::kFusedPair; pair_intra_math.cuh): one tile on a
+// cluster of two CTAs, for safe gates where two CTAs per tile fit on the SMs (2 x tiles <= SMs).
+// Not yet measured: off unless CULA_KDA_PAIR=1 (read per call), which takes it wherever it can
+// run, also over the cooperative mode.
+bool pair_form(const KdaPrefillParams& p, int sm_count, bool cooperative) {
+  (void)cooperative;
+  const int64_t tokens = int64_t(p.batch) * p.seqlen;
+  const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
+  const bool can = !p.general_gates && tokens > 0 && 2 * num_tiles <= sm_count;
+  return can && env_is("CULA_KDA_PAIR", "1");
+}
+
 // The instantiation for the call's gate form and l2norm (the instantiations/ files, one each):
 // gate given or in the kernel x l2norm, for the decays `kDecays`; the softplus gate exists only in
 // the kernel (the call's gate_softplus implies use_gate_in_kernel).
@@ -484,6 +496,7 @@ const char* kda_prefill_sm90_last_error() { return g_last_error; }
 
 std::string kda_prefill_sm90_launch_name(const KdaPrefillParams& p, int sm_count) {
   const Plan plan = plan_call(p, sm_count);
+  if (pair_form(p, sm_count, plan.cooperative)) return "pair";
   if (!plan.cooperative) return longest_first_schedule(p, sm_count) ? "longest-first" : "index";
   const sm90::CooperativePlan& c = plan.coop;
   std::string name = c.helper_kernel ? "cooperative-two-kernels" : "cooperative-one-kernel";
@@ -497,6 +510,7 @@ size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& p) {
   int sm_count = 0;
   if (device_sm_count(&sm_count) != cudaSuccess) return 0;
   const Plan plan = plan_call(p, sm_count);
+  if (pair_form(p, sm_count, plan.cooperative)) return 0;
   return plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes;
 }
 
@@ -561,6 +575,8 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
   if ((err = sm_count_of(device, &sm_count)) != cudaSuccess) return err;
 
   const Plan plan = plan_call(p, sm_count);
+  if (pair_form(p, sm_count, plan.cooperative))
+    return launch_for_gate<false, sm90::KernelPass::kFusedPair, sm90::Decays::kSafe>(p, kp, int(2 * num_tiles), stream);
   if (plan.cooperative) {
     const size_t needed = plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes;
     void* workspace = p.workspace;

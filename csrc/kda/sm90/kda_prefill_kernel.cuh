@@ -29,6 +29,7 @@
 #include "kernel_params.cuh"
 #include "load_producer.cuh"
 #include "owner_state_math.cuh"
+#include "pair_intra_math.cuh"
 #include "shared_storage.cuh"
 #include "state_math.cuh"
 
@@ -66,6 +67,9 @@ static_assert(2 * kProducerRegs + 2 * kOwnerStateRegs <= 65536 / 128, "register 
 //   kCooperative  the cooperative mode's owners and, in the one-kernel form, its helpers (one
 //                 intra-chunk warpgroup each). In the two-kernel form (kp.coop.helper_kernel) its
 //                 helper CTAs exit at once and their SMs run:
+//   kFusedPair    the fused kernel's roles on a cluster of two CTAs per tile (pair_intra_math.cuh):
+//                 per CTA the producer, the intra-chunk warpgroup (its rank's half of the chain),
+//                 the state warpgroup of its value half and a prep warpgroup.
 //   kCoopHelpers  the helpers' kernel over the same CTA index space, launched first; its
 //                 owner-region CTAs exit at once. Two intra-chunk warpgroups per helper on one
 //                 copy of the intra code: one call site entered by warpgroups 1 and 2, which
@@ -75,6 +79,7 @@ static_assert(2 * kProducerRegs + 2 * kOwnerStateRegs <= 65536 / 128, "register 
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays>
 __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __grid_constant__ KdaKernelParams kp) {
   static_assert(kPass == KernelPass::kFused || !kLongestFirst, "the cooperative mode uses index order for its owners");
+  static_assert(kPass != KernelPass::kFusedPair || kDecays == Decays::kSafe, "the pair form has safe gates");
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kCoop = kPass == KernelPass::kCooperative;
   constexpr bool kHelpers = kPass == KernelPass::kCoopHelpers;
@@ -102,7 +107,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
   const bool helper = kHelpers || (kCoop && coop_role.helper);
   // Prep ahead (chunk_prep.cuh): in the fused kernels the state warpgroups run steps 1-3 of the
   // next chunk (general gates: with the exact wide-pair terms), across tile boundaries too.
-  constexpr bool kPrepAhead = kPass == KernelPass::kFused;
+  constexpr bool kPair = kPass == KernelPass::kFusedPair;
+  constexpr bool kPrepAhead = kPass == KernelPass::kFused || kPair;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // 1024-byte alignment (128B-swizzled TMA boxes and WGMMA tiles) by pointer arithmetic on the
   // __shared__ array itself: a round trip through an integer would hide from the compiler that the
@@ -116,25 +122,32 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       cutlass::arch::ClusterTransactionBarrier::init(&smem.full_bar[s], 32);  // the producer warp's lanes
+      // The pair form: plus the peer's copy as transaction bytes (pair_intra_math.cuh).
       cutlass::arch::ClusterBarrier::init(&smem.ready_bar[s], 128);
+      // The pair form has one state warpgroup per CTA, and one prep warpgroup.
+      constexpr uint32_t kStateThreads = kPair ? 128 : 2 * 128;
       if constexpr (kPrepAhead) {
-        cutlass::arch::ClusterBarrier::init(&smem.prepped_bar[s], 2 * 128);  // both state WGs
+        cutlass::arch::ClusterBarrier::init(&smem.prepped_bar[s], kStateThreads);  // the preparing WG(s)
         cutlass::arch::ClusterTransactionBarrier::init(&smem.v_full_bar[s], 1);  // the producer's lane 0
         if constexpr (early_slot_release(kPrepAhead, kLongestFirst, kDecays == Decays::kSafe)) {
-          cutlass::arch::ClusterBarrier::init(&smem.k_empty_bar[s], 2 * 128);  // both state WGs
-          cutlass::arch::ClusterBarrier::init(&smem.q_empty_bar[s], 2 * 128);
+          cutlass::arch::ClusterBarrier::init(&smem.k_empty_bar[s], kStateThreads);  // the state WG(s)
+          cutlass::arch::ClusterBarrier::init(&smem.q_empty_bar[s], kStateThreads);
         }
       }
       // Released by both state warpgroups, in a cooperative helper by the storer thread, in an
-      // owner of half a tile (value split) by its one state warpgroup.
-      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], helper ? 1 : (kCoop && coop_role.half >= 0) ? 128 : 256);
+      // owner of half a tile (value split) by its one state warpgroup; in the pair form by the
+      // state warpgroup and, in rank 1, by rank 0's once the copy of A_qk has landed.
+      cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], kPair ? 128 + (cluster_cta_rank() == 1 ? 1 : 0)
+                                                              : helper ? 1 : (kCoop && coop_role.half >= 0) ? 128 : 256);
+      if constexpr (kPair) cutlass::arch::ClusterBarrier::init(&smem.peer_prepped_bar[s], 1);  // rank 0's prep WG
       if (helper) {
         cutlass::arch::ClusterBarrier::init(&smem.head_ready_bar[s], 128);  // the intra-chunk warpgroup
         cutlass::arch::ClusterBarrier::init(&smem.head_empty_bar[s], 1);    // the storer thread
       }
     }
     // Fused kernels: both state warpgroups' threads release the M tile (state_math.cuh).
-    if constexpr (fold_m(kPrepAhead)) cutlass::arch::ClusterBarrier::init(&smem.m_tile_empty_bar, 2 * 128);
+    // (the pair form: one arrive per CTA's state warpgroup, on rank 0's barrier)
+    if constexpr (fold_m(kPrepAhead)) cutlass::arch::ClusterBarrier::init(&smem.m_tile_empty_bar, kPair ? 2 : 2 * 128);
     if constexpr (kLongestFirst) {
 #pragma unroll
       for (int s = 0; s < kTileSlots; ++s) {
@@ -144,7 +157,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kPair) {
+    // Both CTAs' barriers are initialised before either reaches the other's.
+    __syncwarp();
+    cluster_barrier_sync();
+  } else {
+    __syncthreads();
+  }
   if constexpr (kLongestFirst) {
     // The producer's warpgroup sorts the sequences in stage 0 (free until the first load); the
     // barrier orders the sort's stores before anything the math warpgroups later do there (the
@@ -154,6 +173,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     __syncthreads();
   }
 
+  if constexpr (kPair) {
+    const int rank = int(cluster_cta_rank());
+    if (role == WarpgroupRole::kProducer) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      if (threadIdx.x < 32)
+        run_load_producer<false, early_slot_release(kPrepAhead, false, true), /*kPair=*/true>(kp, smem, rank);
+    } else if (role == WarpgroupRole::kIntra) {
+      cutlass::arch::warpgroup_reg_alloc<kIntraRegs>();
+      run_pair_intra<kGateInKernel, kL2Norm>(kp, smem, rank);
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kStateRegs>();
+      const int wg = int(role) - int(WarpgroupRole::kState0);
+      if (wg == rank) run_state_warpgroup<false, true, kGateInKernel, kL2Norm, Decays::kSafe, /*kPair=*/true>(kp, smem, rank);
+      else run_pair_prep<kGateInKernel, kL2Norm>(kp, smem, rank);
+    }
+    // Neither CTA leaves while the other may still copy into or arrive on its shared memory.
+    __syncwarp();
+    cluster_barrier_sync();
+    return;
+  }
   if constexpr (kHelpers) {
     // The helpers' kernel: warpgroups 1 and 2 (kp.coop.helper_intra of them) run the intra-chunk
     // work, each on every other stage of the ring, the second in the state warpgroups' shared
@@ -191,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       if constexpr (kCoop) {
         if (helper) run_chunk_claim_producer(kp, smem);
         else run_workspace_loader(kp, smem);
-      } else if constexpr (kPrepAhead) {  // the fused kernels (the helpers' kernel returned above)
+      } else if constexpr (kPass == KernelPass::kFused) {  // (the helpers' and the pair kernels returned above)
         run_load_producer<kLongestFirst, early_slot_release(kPrepAhead, kLongestFirst, kDecays == Decays::kSafe)>(kp, smem);
       }
     }

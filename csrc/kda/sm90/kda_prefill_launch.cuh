@@ -53,13 +53,30 @@ cudaError_t launch_helpers_then_owners(Kernel owners, const KdaKernelParams& kp,
 
 // kFused: one kernel. kCooperative: one kernel, or (kp.coop.helper_kernel) the helpers' kernel and
 // then the owners' (kernel_params.cuh: KernelPass), both over `grid` CTAs (one per SM).
+// kFusedPair: `grid` CTAs in clusters of two (two per tile).
 template <bool kGateInKernel, bool kL2Norm, bool kLongestFirst, KernelPass kPass, Decays kDecays>
 cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaStream_t stream) {
-  static_assert(kPass == KernelPass::kFused || kPass == KernelPass::kCooperative, "a launch is of a mode");
+  static_assert(kPass == KernelPass::kFused || kPass == KernelPass::kCooperative || kPass == KernelPass::kFusedPair,
+                "a launch is of a mode");
   auto kernel = kda_prefill_sm90_kernel<kGateInKernel, kL2Norm, kLongestFirst, kPass, kDecays>;
   static std::atomic<uint64_t> set_mask{0};
   cudaError_t err = opt_in_shared_memory(kernel, set_mask);
   if (err != cudaSuccess) return err;
+  if constexpr (kPass == KernelPass::kFusedPair) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(grid));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = kSharedBytes;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = 2;
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, kp);
+  }
   if (kPass == KernelPass::kFused || !kp.coop.helper_kernel) {
     kernel<<<grid, kThreads, kSharedBytes, stream>>>(kp);
     return cudaGetLastError();

@@ -36,7 +36,10 @@ struct ScheduleWorkspace {
 //   kCoopHelpers  (it never waits on an owner; two intra-chunk warpgroups per helper), then the
 //                 kCooperative kernel for the owners, by programmatic dependent launch so that it
 //                 starts while the helpers run (CooperativePlan::overlap_owners).
-enum class KernelPass : int { kFused = 0, kCooperative = 1, kCoopHelpers = 2 };
+//   kFusedPair    few tiles (2 x tiles <= SMs), safe gates: one tile on a cluster of two CTAs,
+//                 each on its 64 of the value columns, the intra-chunk chain split between them
+//                 by matrix (pair_intra_math.cuh).
+enum class KernelPass : int { kFused = 0, kCooperative = 1, kCoopHelpers = 2, kFusedPair = 3 };
 
 // The value split's rule (CooperativePlan::value_split), one function for the host (fixed length:
 // every tile alike, decided once per launch) and the device (varlen: tile_has_two_owners in

@@ -86,8 +86,11 @@ __device__ __forceinline__ void issue_stage_loads(const KdaKernelParams& kp, uin
 // completes (chunk_prep.cuh), so v goes on a barrier of its own (SharedStorage::v_full_bar),
 // issued after q, k and g: the prep's wait ends once those 48 KB have landed. kEarlySlots: k and
 // q first, each once its slot is free (shared_storage.cuh: early_slot_release).
-template <bool kLongestFirst, bool kEarlySlots>
-__device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, SharedStorage& smem) {
+//
+// kPair (the pair form, pair_intra_math.cuh): the CTA of cluster rank `rank` works on value columns
+// [64 rank, 64 rank + 64) only, so it loads that one box of v (into its place in the v slot).
+template <bool kLongestFirst, bool kEarlySlots, bool kPair = false>
+__device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, SharedStorage& smem, int rank = 0) {
   const KdaPrefillParams& p = kp.problem;
   const int lane = threadIdx.x & 31;
   PipelineState pipe;
@@ -100,7 +103,7 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
   }
 
   TileCursor cursor;
-  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/true>(kp, smem, cursor, tile);) {
+  for (WorkTile tile; next_tile<kLongestFirst, /*kIsProducer=*/true, false, kPair>(kp, smem, cursor, tile);) {
     for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
       StageStorage& st = smem.stage[pipe.stage];
       const int rows = tile.chunk_rows(c);
@@ -130,13 +133,18 @@ __device__ __forceinline__ void run_load_producer(const KdaKernelParams& kp, Sha
       cutlass::arch::ClusterBarrier::wait(&smem.empty_bar[pipe.stage], pipe.phase ^ 1u);
       if (lane == 0) {
         if constexpr (!kEarlySlots) cutlass::arch::ClusterTransactionBarrier::expect_transaction(bar, kStageTxBytes - kTileBytes);
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(v_bar, kTileBytes);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(v_bar, kPair ? kBoxBytes : kTileBytes);
         if constexpr (!kEarlySlots) {
           tma_load_tile(&kp.tma_q, bar, st.q, tile.qk_head, token);
           tma_load_tile(&kp.tma_k, bar, st.k, tile.qk_head, token);
         }
         tma_load_tile(&kp.tma_g, bar, st.g, tile.v_head, token);
-        tma_load_tile(&kp.tma_v, v_bar, st.v, tile.v_head, token);
+        if constexpr (kPair) {
+          cute::SM90_TMA_LOAD_3D::copy(&kp.tma_v, v_bar, /*cache_hint=*/0, st.v + rank * kBoxBytes, rank * 64, tile.v_head,
+                                       int32_t(token));
+        } else {
+          tma_load_tile(&kp.tma_v, v_bar, st.v, tile.v_head, token);
+        }
       }
       store_beta(st, beta, lane);
       // cutlass's arrive asm has no "memory" clobber: keep the compiler from moving the stores

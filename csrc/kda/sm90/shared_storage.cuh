@@ -158,6 +158,10 @@ struct alignas(1024) SharedStorage {
   // frees g, v and the small arrays.
   uint64_t k_empty_bar[kStages];
   uint64_t q_empty_bar[kStages];
+  // The pair form (pair_intra_math.cuh), rank 1 only: rank 0's prep of the stage's chunk is done
+  // with its scratch in rank 0's A_qk slot, so rank 1 may copy its A_qk there (rank 0's prep
+  // warpgroup -> rank 1's intra-chunk warpgroup, a remote arrive).
+  uint64_t peer_prepped_bar[kStages];
 };
 
 // Intra scratch: the l2-norm reciprocals and the row statistics (steps 1-3), then the fp32

@@ -304,6 +304,40 @@ __device__ __forceinline__ int fp16_shift_for_max(float mx) {
 __device__ __forceinline__ void fence_smem_to_async_proxy() { cutlass::arch::fence_view_async_shared(); }
 
 // ------------------------------------------------------------------------------------------
+// Clusters of two CTAs (the pair form: pair_intra_math.cuh). A CTA reaches its peer's shared
+// memory through shared::cluster addresses (mapa of its own address for the same variable).
+// ------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t cluster_cta_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// The shared::cluster address of the variable at `local` (this CTA's shared::cta address) in the
+// shared memory of the cluster's CTA `rank` (the same layout in every CTA of the kernel).
+__device__ __forceinline__ uint32_t cluster_smem_addr(uint32_t local, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+  return r;
+}
+// One arrival on the mbarrier at shared::cluster address `bar` (this CTA's or the peer's), release
+// at cluster scope: this thread's earlier accesses happen before the phase it completes.
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Bulk copy of `bytes` (a multiple of 16) of this CTA's shared memory at `src` into the peer's at
+// `dst` (shared::cluster), completing as transaction bytes on the peer's mbarrier `bar`
+// (shared::cluster): the peer's wait on that barrier sees the data.
+__device__ __forceinline__ void bulk_copy_to_peer(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "r"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// Every thread of both CTAs (warp-converged: the .aligned forms).
+__device__ __forceinline__ void cluster_barrier_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// ------------------------------------------------------------------------------------------
 // Optional per-phase cycle counters (build with -DCULA_KDA_PROFILE): thread 0 of a role sums the
 // clock64() deltas between marks and CTA 0 prints them at the end. No-ops otherwise.
 // ------------------------------------------------------------------------------------------
@@ -320,9 +354,10 @@ struct PhaseTimer {
     chunks += i == 0;
   }
   __device__ void report(const char* role, int tid) const {
-    if (blockIdx.x == 0 && tid == 0)
-      printf("[%s] chunks %d: %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", role, chunks, acc[0], acc[1], acc[2],
-             acc[3], acc[4], acc[5], acc[6], acc[7], acc[8], acc[9]);
+    // CTAs 0 and 1 (the pair form: both ranks of the first cluster)
+    if (blockIdx.x < 2 && tid == 0)
+      printf("[%s] cta %d chunks %d: %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n", role, int(blockIdx.x), chunks,
+             acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6], acc[7], acc[8], acc[9]);
   }
 #else
   __device__ void start() {}

@@ -42,9 +42,17 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
 // The fused kernel's state warpgroups (the cooperative mode's owners: owner_state_math.cuh).
 // kPrepAhead: both warpgroups also run steps 1-3 of the next chunk (of this tile or,
 // at its last chunk, of the next tile) before they wait for the current one (chunk_prep.cuh).
+// kPair (the pair form, pair_intra_math.cuh): the CTA's one state warpgroup of the recurrence,
+// warpgroup 2 + half for cluster rank `half` (its value columns); the other warpgroup runs the
+// prep, so this one prepares nothing. It tells rank 0 that it has read the M tile (rank 0 copies
+// the next one into rank 1's), and rank 0's tells rank 1 that A_qk has landed (rank 1's copy of it
+// has read its source in rank 1's A_qk slot, which the stage's reload may then overwrite).
 template <bool kLongestFirst, bool kPrepAhead, bool kGateInKernel = false, bool kL2Norm = false,
-          Decays kDecays = Decays::kSafe>
+          Decays kDecays = Decays::kSafe, bool kPair = false>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
+  static_assert(!kPair || (kPrepAhead && !kLongestFirst && kDecays == Decays::kSafe), "the pair form: safe gates, index order");
+  // The prep ahead on this warpgroup (and the other state warpgroup), or (kPair) on the prep warpgroup.
+  constexpr bool kOwnPrep = kPrepAhead && !kPair;
   // A_qk v_new in fp16 (shared_storage.cuh).
   constexpr bool kAqkHalf = aqk_is_half(kPrepAhead, kL2Norm, kLongestFirst);
   // The state update in fp16 where the A products took fp16 operands (intra_chunk_math.cuh,
@@ -109,14 +117,14 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
   [[maybe_unused]] WorkTile ahead;
   [[maybe_unused]] bool ahead_fetched = false, have_ahead = false, first_prepped = false;
   const auto take_tile = [&](WorkTile& tile) {
-    if constexpr (kPrepAhead) {
+    if constexpr (kOwnPrep) {
       if (ahead_fetched) {
         ahead_fetched = false;
         tile = ahead;
         return have_ahead;
       }
     }
-    return next_tile<kLongestFirst, /*kIsProducer=*/false>(kp, smem, cursor, tile);
+    return next_tile<kLongestFirst, /*kIsProducer=*/false, false, kPair>(kp, smem, cursor, tile);
   };
   for (WorkTile tile; take_tile(tile);) {
     StateFragment S;
@@ -150,7 +158,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     // them nearer the instruction cache and spills less there, while in the safe-gate kernels the
     // extra iteration made ptxas spill in the chunk loop (+37 % time; docs/perf-notes.md).
     int c = 0;
-    if constexpr (kPrepAhead) {
+    if constexpr (kOwnPrep) {
       const bool prep_first = num_chunks > 0 && !first_prepped;
       if constexpr (kOneSite) {
         if (prep_first) c = -1;
@@ -160,7 +168,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       first_prepped = false;
     }
     for (; c < num_chunks; ++c) {
-      if constexpr (kPrepAhead) {
+      if constexpr (kOwnPrep) {
         PipelineState at = pipe;  // c >= 0: the stage released after chunk c - 1
         if (!kOneSite || c >= 0) at.advance();
         const bool in_tile = c + 1 < num_chunks;
@@ -182,6 +190,11 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
       timer.mark(0);
+      // kPair, rank 0: rank 1's copy of A_qk has landed, so it has read its source (rank 1's stage
+      // reload waits for this too: its `empty` counts one more arrive).
+      if constexpr (kPair) {
+        if (half == 0 && tid == 0) mbarrier_arrive_cluster(cluster_smem_addr(smem_u32(&smem.empty_bar[pipe.stage]), 1));
+      }
 
       // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], the MN-major B operand, unless
       // the previous chunk of the tile wrote it at its end (kStageSAhead; its kernels start the
@@ -242,8 +255,13 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       fence_accumulators(P);
       // The M tile is read: the intra-chunk warpgroup may write its scratch again. And every
       // thread of the warpgroup is done with the Y tile before v_new goes there.
-      cutlass::arch::ClusterBarrier::arrive(&smem.m_tile_empty_bar);
-      named_barrier_sync(bar, 128);
+      if constexpr (kPair) {  // one arrive per CTA, on rank 0's barrier (pair_intra_math.cuh)
+        named_barrier_sync(bar, 128);
+        if (tid == 0) mbarrier_arrive_cluster(cluster_smem_addr(smem_u32(&smem.m_tile_empty_bar), 0));
+      } else {
+        cutlass::arch::ClusterBarrier::arrive(&smem.m_tile_empty_bar);
+        named_barrier_sync(bar, 128);
+      }
       // (c) v_new (in P) -> bf16 tile [64 rows, 64 columns], MN-major B operand.
       // kAqkHalf: v_new also in fp16, for A_qk v_new with the fp16 A_qk, over this warpgroup's half
       // of v in the stage (each thread writes exactly the elements it read, so no
@@ -444,7 +462,10 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     // The slot again rather than kept in registers across the chunk loop.
     store_final_state(p, state_slot(p, tile), S, half, warp, lane);
   }
-  zero_uncovered_rows(p, int(blockIdx.x), tid + 128 * half, int(gridDim.x));
+  if constexpr (kPair)  // 256 threads per cluster
+    zero_uncovered_rows(p, int(blockIdx.x >> 1), tid + 128 * half, int(gridDim.x >> 1));
+  else
+    zero_uncovered_rows(p, int(blockIdx.x), tid + 128 * half, int(gridDim.x));
   timer.report(half ? "state1: wait s2smem P vnew O+S store prep-rest load-wait prep-ops exact"
                     : "state0: wait s2smem P vnew O+S store prep-rest load-wait prep-ops exact", tid);
 }

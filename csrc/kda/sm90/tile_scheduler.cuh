@@ -207,17 +207,23 @@ struct TileCursor {
 
 // kOwner: a tile owner of the cooperative mode, whose tile is its CTA index divided by the CTAs
 // per tile of the owner region (cooperative_role); it has that one tile.
-template <bool kLongestFirst, bool kIsProducer, bool kOwner = false>
+// kPair: the pair form (KernelPass::kFusedPair, index order): both CTAs of cluster b walk the
+// tiles of CTA b of the fused kernel (CTA indices 2 b and 2 b + 1).
+template <bool kLongestFirst, bool kIsProducer, bool kOwner = false, bool kPair = false>
 __device__ __forceinline__ bool next_tile(const KdaKernelParams& kp, SharedStorage& smem, TileCursor& cursor,
                                           WorkTile& tile) {
   const KdaPrefillParams& p = kp.problem;
   const int num_tiles = p.num_seqs * p.num_v_heads;
   if constexpr (!kLongestFirst) {
-    const int first = !kOwner ? int(blockIdx.x)
+    static_assert(!(kOwner && kPair), "the pair form is fused");
+    const int first = kPair     ? int(blockIdx.x >> 1)
+                      : !kOwner ? int(blockIdx.x)
                       : kp.coop.segments > 1 ? int(blockIdx.x) / (4 * kp.coop.segments)
                                              : int(blockIdx.x) / kp.coop.value_split;
     // Owners: one tile each, or (tiles_per_owner > 1) every owners-th tile from their first.
-    const int stride = !kOwner ? int(gridDim.x) : kp.coop.tiles_per_owner > 1 ? kp.coop.owners : num_tiles;
+    const int stride = kPair     ? int(gridDim.x >> 1)
+                       : !kOwner ? int(gridDim.x)
+                       : kp.coop.tiles_per_owner > 1 ? kp.coop.owners : num_tiles;
     const int r = first + cursor.k++ * stride;
     if (r >= num_tiles) return false;
     const int seq = r / p.num_v_heads;
