@@ -92,25 +92,28 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* stat
 
   const int cp = tid & 63, col = 2 * cp;
   const PairColumn addr(cp);
-  float cum0[kPasses], cum1[kPasses];  // from the block's start
-#pragma unroll
+  float cum0 = 0.f, cum1 = 0.f;  // from the block's start (of the last pass)
+  // Two passes: one copy of the pass's code (a loop, not unrolled), as instruction fetch is the pair
+  // form's largest stall (ncu). (One pass: the loop unrolled away, as the fused kernels had it.)
+  constexpr int kPassUnroll = kPasses > 1 ? 1 : 4;
+#pragma unroll kPassUnroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int b = (tid >> 6) + pass * (kThreads / 64), row0 = kSubBlock * b;
     uint32_t qx[kSubBlock], kx[kSubBlock];
     float G0[kSubBlock], G1[kSubBlock];
-    cum0[pass] = 0.f, cum1[pass] = 0.f;
-    load_block_cumsum<kGateInKernel, kDecays>(st, addr, row0, gc, cum0[pass], cum1[pass], qx, kx, G0, G1);
-    *reinterpret_cast<float2*>(&totals[b][col]) = make_float2(cum0[pass], cum1[pass]);
+    cum0 = 0.f, cum1 = 0.f;
+    load_block_cumsum<kGateInKernel, kDecays>(st, addr, row0, gc, cum0, cum1, qx, kx, G0, G1);
+    *reinterpret_cast<float2*>(&totals[b][col]) = make_float2(cum0, cum1);
     // A wide feature (general gates: its decay over the block exceeds wide_span_log2, 14 with
     // fp16 operands) takes its factors against the block's start (0 here), so that e = exp2(G) <= 1.
     bool wide0 = false, wide1 = false;
     if constexpr (kGeneral) {
-      wide0 = -cum0[pass] > wide_span_log2(kHalf);
-      wide1 = -cum1[pass] > wide_span_log2(kHalf);
+      wide0 = -cum0 > wide_span_log2(kHalf);
+      wide1 = -cum1 > wide_span_log2(kHalf);
       st.wide_pair[b][cp] = uint8_t((wide0 ? 1 : 0) | (wide1 ? 2 : 0));
     }
-    store_block_operands<kGeneral, kL2Norm, kHalf>(st, addr, row0, G0, G1, cum0[pass], cum1[pass],
-                                                   wide0 ? 0.f : cum0[pass], wide1 ? 0.f : cum1[pass], qx, kx, rnorm);
+    store_block_operands<kGeneral, kL2Norm, kHalf>(st, addr, row0, G0, G1, cum0, cum1, wide0 ? 0.f : cum0,
+                                                   wide1 ? 0.f : cum1, qx, kx, rnorm);
     timer.mark(8);
     if constexpr (kGeneral) {
       const int warp = tid >> 5;
@@ -122,9 +125,13 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* stat
     }
   }
   named_barrier_sync(bar, kThreads);  // every block's total (and partial corrections) is written
-#pragma unroll
+#pragma unroll kPassUnroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int b = (tid >> 6) + pass * (kThreads / 64);
+    if (kPasses > 1) {  // this block's sums again (the last pass's are still in cum0, cum1)
+      const float2 t = *reinterpret_cast<const float2*>(&totals[b][col]);
+      cum0 = t.x, cum1 = t.y;
+    }
     float off0 = 0.f, off1 = 0.f;
 #pragma unroll
     for (int e = 0; e < kNumSubBlocks - 1; ++e) {
@@ -134,7 +141,7 @@ __device__ __forceinline__ void prep_chunk_ahead(StageStorage& st, uint8_t* stat
         off1 += t.y;
       }
     }
-    *reinterpret_cast<float2*>(&st.r_block[b][col]) = make_float2(off0 + cum0[pass], off1 + cum1[pass]);
+    *reinterpret_cast<float2*>(&st.r_block[b][col]) = make_float2(off0 + cum0, off1 + cum1);
   }
   if constexpr (kGeneral) {
     // The two warps' partials of each block added in a fixed order (deterministic), as step 5 of

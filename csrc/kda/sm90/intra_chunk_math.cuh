@@ -428,9 +428,7 @@ __device__ __forceinline__ void row_statistics(StageStorage& st, float* rnorm, f
   static_assert(kParts == 2 || kParts == 4, "two or four parts");
   static_assert(kPartsPerThread == 1 || kPartsPerThread == 2, "128 or 256 threads");
   const int r = tid & 63;
-#pragma unroll
-  for (int pp = 0; pp < kPartsPerThread; ++pp) {
-    const int part = (tid >> 6) + pp * (kThreads / kChunk);
+  const auto sum_part = [&](const int part) {
     const int box = (part * kChunksPerPart) >> 3, chunk0 = (part * kChunksPerPart) & 7;
     const uint8_t* q_row = st.q + box * kBoxBytes;
     const uint8_t* k_row = st.k + box * kBoxBytes;
@@ -458,7 +456,9 @@ __device__ __forceinline__ void row_statistics(StageStorage& st, float* rnorm, f
     row_stats[(0 * kParts + part) * kChunk + r] = qq;
     row_stats[(1 * kParts + part) * kChunk + r] = kk;
     row_stats[(2 * kParts + part) * kChunk + r] = qk;
-  }
+  };
+  sum_part(tid >> 6);
+  if constexpr (kPartsPerThread == 2) sum_part((tid >> 6) + kThreads / kChunk);
   named_barrier_sync(bar, kThreads);
   if (tid < kChunk) {
     const auto sum = [&](int stat) {
@@ -584,13 +584,17 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
 // factor for an earlier block bj is then exp2(r_{w-1} - r_bj) <= 1 and whose diagonal-block
 // terms are left to the exact pass: factor 0).
 // kHalf (half_operands): QE, KE, KT are fp16, and so are the scale pairs and the products.
-// kWantQ / kWantK: form A_qk / A_kk (the pair form's CTAs each form one: pair_intra_math.cuh; the
-// other accumulator stays zero).
-template <bool kGeneral = false, bool kHalf = false, bool kWantQ = true, bool kWantK = true>
+// kOneOperand (the pair form, pair_intra_math.cuh): one product only, of `one_operand` (the stage's
+// q slot for A_qk or its k slot for A_kk, chosen at run time so that both CTAs of a cluster run
+// this same code) into `aqk`; `akk` stays zero.
+template <bool kGeneral = false, bool kHalf = false, bool kOneOperand = false>
 __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st, const float (*a_ref)[kHeadDim],
                                                          int warp, int lane, float (&aqk)[kNumSubBlocks][8],
-                                                         float (&akk)[kNumSubBlocks][8]) {
-  const uint32_t q_base = smem_u32(st.q), k_base = smem_u32(st.k), kt_base = smem_u32(st.g);
+                                                         float (&akk)[kNumSubBlocks][8],
+                                                         const uint8_t* one_operand = nullptr) {
+  constexpr bool kWantQ = true, kWantK = !kOneOperand;
+  const uint32_t q_base = smem_u32(kOneOperand ? one_operand : st.q), k_base = smem_u32(st.k),
+                 kt_base = smem_u32(st.g);
   const int lm_row = kSubBlock * warp + (lane & 7) + ((lane >> 3) & 1) * 8;
   const int lm_hi = (lane >> 4) & 1;
   const int t4 = lane & 3;

@@ -39,106 +39,104 @@ constexpr uint32_t kPairCopyBytes = kChunk * kChunk * 2;  // A_qk or M - I: one 
 static_assert(kPairCopyBytes == sizeof(StageStorage::aqk) && kPairCopyBytes <= sizeof(SharedStorage::intra_scratch),
               "a hand-off is one box");
 
-// Rank 0's chunk: A_kk, its mask, the inverse, M - I (kept and copied to rank 1), step 6.
+// One chunk of either rank, through one call site and one copy of the A products and of step 6:
+// the two SMs of a cluster then fetch mostly the same code (with a copy per rank, ncu showed the
+// pair form's warps stalled on instruction fetch 3x per issued instruction at 64 tiles against 0.3
+// in the fused kernel). Rank 0: A_kk, its mask, the inverse, M - I (kept and copied to rank 1);
+// rank 1: A_qk, its mask (kept and copied to rank 0); then step 6.
 template <bool kL2Norm>
-__device__ __forceinline__ void pair_intra_chunk_kk(SharedStorage& smem, StageStorage& st, const IntraScratch& ws,
-                                                    int stage, int tid, PhaseTimer& timer, uint32_t m_tile_phase) {
+__device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStorage& st, const IntraScratch& ws,
+                                                 int stage, uint32_t phase, int rank, int tid, PhaseTimer& timer,
+                                                 uint32_t m_tile_phase) {
+  constexpr bool kAqkHalf = aqk_is_half(true, kL2Norm, false);
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
-  float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
-  float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
-  intra_attention_matrices<false, false, /*kWantQ=*/false, /*kWantK=*/true>(st, ws.a_ref, warp, lane, aqk, akk);
+  // A_kk (rank 0: KE against KT) or A_qk (rank 1: QE against KT), in `a`.
+  float a[kNumSubBlocks][8], unused[kNumSubBlocks][8];
+  intra_attention_matrices<false, false, /*kOneOperand=*/true>(st, ws.a_ref, warp, lane, a, unused,
+                                                               rank == 0 ? st.k : st.q);
   timer.mark(2);
-  // The M tile of the previous chunk lies over the diagonal-block scratch: both CTAs' state
-  // warpgroups have read their copy of it.
-  cutlass::arch::ClusterBarrier::wait(&smem.m_tile_empty_bar, m_tile_phase);
-  timer.mark(1);
-  // Step 5 for A_kk as in intra_chunk: A = beta_i A_kk, strictly lower; its blocks below the
-  // diagonal stay in registers (a_off), its diagonal blocks go to the scratch, transposed.
-  float a_off[8 * (kNumSubBlocks - 1)];
-  const float beta_lo = st.beta[kSubBlock * warp + g4];
-  const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
+  if (rank == 0) {
+    float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
+    // The M tile of the previous chunk lies over the diagonal-block scratch: both CTAs' state
+    // warpgroups have read their copy of it.
+    cutlass::arch::ClusterBarrier::wait(&smem.m_tile_empty_bar, m_tile_phase);
+    timer.mark(1);
+    // Step 5 for A_kk as in intra_chunk: A = beta_i A_kk, strictly lower; its blocks below the
+    // diagonal stay in registers (a_off), its diagonal blocks go to the scratch, transposed.
+    float a_off[8 * (kNumSubBlocks - 1)];
+    const float beta_lo = st.beta[kSubBlock * warp + g4];
+    const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
 #pragma unroll
-  for (int bj = 0; bj < kNumSubBlocks; ++bj)
+    for (int bj = 0; bj < kNumSubBlocks; ++bj)
 #pragma unroll
-    for (int n8 = 0; n8 < 2; ++n8)
+      for (int n8 = 0; n8 < 2; ++n8)
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int i = kSubBlock * warp + g4 + 8 * h2;
-        const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
-        const int r = n8 * 4 + h2 * 2;
-        const float bi = h2 ? beta_hi : beta_lo;
-        const float a0 = (j < i) ? akk[bj][r] * bi : 0.f;
-        const float a1 = (j + 1 < i) ? akk[bj][r + 1] * bi : 0.f;
-        if (bj == warp) {
-          float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
-          dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
-          dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = kSubBlock * warp + g4 + 8 * h2;
+          const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
+          const int r = n8 * 4 + h2 * 2;
+          const float bi = h2 ? beta_hi : beta_lo;
+          const float a0 = (j < i) ? a[bj][r] * bi : 0.f;
+          const float a1 = (j + 1 < i) ? a[bj][r + 1] * bi : 0.f;
+          if (bj == warp) {
+            float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
+            dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
+            dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
+          }
+          if (bj < kNumSubBlocks - 1) {
+            a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
+            a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
+          }
         }
-        if (bj < kNumSubBlocks - 1) {
-          a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
-          a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
-        }
-      }
-  timer.mark(3);
-  named_barrier_sync(ws.bar, 128);  // every warp done reading KE (step 4) and writing its diagonal block
-  float m[32];
-  if constexpr (half_inverse(kL2Norm)) {
-    invert_unit_lower_half(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
+    timer.mark(3);
+    named_barrier_sync(ws.bar, 128);  // every warp done reading KE (step 4) and writing its diagonal block
+    float m[32];
+    if constexpr (half_inverse(kL2Norm)) {
+      invert_unit_lower_half(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
+    } else {
+      invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
+    }
+    timer.mark(5);
+    // Step 8: M - I into the M tile (over the scratch, whose diagonal blocks the inverse has
+    // read), then to rank 1's M tile, completing on rank 1's `ready` of this stage.
+    store_m_minus_identity(ws.scratch + kMTileOffset, m, warp, g4, t4);
+    fence_smem_to_async_proxy();
+    named_barrier_sync(ws.bar, 128);
+    if (tid == 0) {
+      const uint32_t tile = smem_u32(ws.scratch + kMTileOffset);
+      bulk_copy_to_peer(cluster_smem_addr(tile, 1), tile, kPairCopyBytes,
+                        cluster_smem_addr(smem_u32(&smem.ready_bar[stage]), 1));
+    }
   } else {
-    invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
-  }
-  timer.mark(5);
-  // Step 8: M - I into the M tile (over the scratch, whose diagonal blocks the inverse has read),
-  // then to rank 1's M tile, completing on rank 1's `ready` of this stage.
-  store_m_minus_identity(ws.scratch + kMTileOffset, m, warp, g4, t4);
-  fence_smem_to_async_proxy();
-  named_barrier_sync(ws.bar, 128);
-  if (tid == 0) {
-    const uint32_t tile = smem_u32(ws.scratch + kMTileOffset);
-    bulk_copy_to_peer(cluster_smem_addr(tile, 1), tile, kPairCopyBytes,
-                      cluster_smem_addr(smem_u32(&smem.ready_bar[stage]), 1));
+    // Step 5 for A_qk as in intra_chunk: strictly lower (its diagonal is st.aqk_diag) -> the slot.
+#pragma unroll
+    for (int bj = 0; bj < kNumSubBlocks; ++bj)
+#pragma unroll
+      for (int n8 = 0; n8 < 2; ++n8)
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int i = kSubBlock * warp + g4 + 8 * h2;
+          const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
+          const int r = n8 * 4 + h2 * 2;
+          const float q0 = (j < i) ? a[bj][r] : 0.f;
+          const float q1 = (j + 1 < i) ? a[bj][r + 1] : 0.f;
+          *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) =
+              kAqkHalf ? float2_to_half2(q0, q1) : float2_to_bf16x2(q0, q1);
+        }
+    fence_smem_to_async_proxy();
+    timer.mark(3);
+    named_barrier_sync(ws.bar, 128);  // A_qk is written, and every warp is done reading QE (step 4)
+    if (tid == 0) {
+      // Rank 0's A_qk slot is its prep's scratch until that prep is done.
+      cutlass::arch::ClusterBarrier::wait(&smem.peer_prepped_bar[stage], phase);
+      const uint32_t slot = smem_u32(st.aqk);
+      bulk_copy_to_peer(cluster_smem_addr(slot, 0), slot, kPairCopyBytes,
+                        cluster_smem_addr(smem_u32(&smem.ready_bar[stage]), 0));
+    }
+    timer.mark(1);
   }
   // Step 6 last: rank 1's chain waits for M, rank 0's for everything.
-  form_qg_kg<false, false, false, false>(st, ws.a_ref, tid);
-  timer.mark(4);
-}
-
-// Rank 1's chunk: A_qk, its mask (kept and copied to rank 0), step 6.
-template <bool kAqkHalf>
-__device__ __forceinline__ void pair_intra_chunk_qk(SharedStorage& smem, StageStorage& st, const IntraScratch& ws,
-                                                    int stage, int tid, PhaseTimer& timer, uint32_t phase) {
-  const int warp = tid >> 5, lane = tid & 31;
-  const int g4 = lane >> 2, t4 = lane & 3;
-  float aqk[kNumSubBlocks][8], akk[kNumSubBlocks][8];
-  intra_attention_matrices<false, false, /*kWantQ=*/true, /*kWantK=*/false>(st, ws.a_ref, warp, lane, aqk, akk);
-  timer.mark(2);
-  // Step 5 for A_qk as in intra_chunk: strictly lower (its diagonal is st.aqk_diag) -> the slot.
-#pragma unroll
-  for (int bj = 0; bj < kNumSubBlocks; ++bj)
-#pragma unroll
-    for (int n8 = 0; n8 < 2; ++n8)
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int i = kSubBlock * warp + g4 + 8 * h2;
-        const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
-        const int r = n8 * 4 + h2 * 2;
-        const float q0 = (j < i) ? aqk[bj][r] : 0.f;
-        const float q1 = (j + 1 < i) ? aqk[bj][r + 1] : 0.f;
-        *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) =
-            kAqkHalf ? float2_to_half2(q0, q1) : float2_to_bf16x2(q0, q1);
-      }
-  fence_smem_to_async_proxy();
-  timer.mark(3);
-  named_barrier_sync(ws.bar, 128);  // A_qk is written, and every warp is done reading QE (step 4)
-  if (tid == 0) {
-    // Rank 0's A_qk slot is its prep's scratch until that prep is done.
-    cutlass::arch::ClusterBarrier::wait(&smem.peer_prepped_bar[stage], phase);
-    const uint32_t slot = smem_u32(st.aqk);
-    bulk_copy_to_peer(cluster_smem_addr(slot, 0), slot, kPairCopyBytes,
-                      cluster_smem_addr(smem_u32(&smem.ready_bar[stage]), 0));
-  }
-  timer.mark(1);
   form_qg_kg<false, false, false, false>(st, ws.a_ref, tid);
   timer.mark(4);
 }
@@ -160,12 +158,8 @@ __device__ __forceinline__ void run_pair_intra(const KdaKernelParams& kp, Shared
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.prepped_bar[pipe.stage], pipe.phase);
       timer.mark(0);
-      if (rank == 0) {
-        pair_intra_chunk_kk<kL2Norm>(smem, st, ws, pipe.stage, tid, timer, m_tile_phase);
-        m_tile_phase ^= 1u;
-      } else {
-        pair_intra_chunk_qk<aqk_is_half(true, kL2Norm, false)>(smem, st, ws, pipe.stage, tid, timer, pipe.phase);
-      }
+      pair_intra_chunk<kL2Norm>(smem, st, ws, pipe.stage, pipe.phase, rank, tid, timer, m_tile_phase);
+      m_tile_phase ^= 1u;  // (rank 0's barrier; rank 1 never waits on its own)
       // Step 9: hand the stage to the state warpgroup (QG, KG: generic stores read by WGMMA).
       fence_smem_to_async_proxy();
       if (tid == 0) {
