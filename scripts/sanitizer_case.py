@@ -5,8 +5,9 @@ Run by scripts/sanitizer_check.sh under memcheck, racecheck and synccheck; runs 
     python scripts/sanitizer_case.py
 
 H=2 q/k heads, HV=4 value heads, cu_seqlens [0, 0, 1, 65, 130, 200] (an empty sequence, a
-length-1 one, 64 and 65 tokens across chunk edges, a 70-token tail), once per kernel
-instantiation (gate in kernel / given x l2norm on / off), with both state layouts, both beta
+length-1 one, 64 and 65 tokens across chunk edges, a 70-token tail: 20 tiles, so the pair form
+runs, two CTAs of a cluster per tile exchanging A_qk and M - I through each other's shared
+memory), once per kernel instantiation (gate in kernel / given x l2norm on / off), with both state layouts, both beta
 dtypes, int32 and int64 cu_seqlens, with and without an initial state, and once without the
 final state; then with 70 sequences (lengths 0..130), whose 280 (sequence, head) tiles exceed one
 wave, under both tile schedules (index order, and longest first on persistent CTAs); then with

@@ -199,7 +199,7 @@ def test_cula_schedule_names_the_extensions_launch(monkeypatch):
     assert cula_schedule(Config("fixed", 2, 1024, 64, 64), 132) == "index"  # 128 tiles: one wave
     assert cula_schedule(Config("small", 1, 65536, 4, 4), 132) == "cooperative-two-kernels-4-segments"
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", "0")
-    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132) == "index"
+    assert cula_schedule(Config("small", 1, 65536, 4, 4), 132) == "pair"  # the fused kernel on 2 CTAs per tile
 
 
 def _fake_flash_kda_fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound,

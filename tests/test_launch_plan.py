@@ -8,6 +8,9 @@ per tile), "-split" / "-split-on-device", "-<k>-tiles-per-owner" or "-<G>-segmen
 (``docs/kernel.md``, ``docs/perf-notes.md`` for the measurements behind the constants):
 
 * longest first for more tiles than SMs (safe gates), index order otherwise;
+* "pair" (the fused kernel on two CTAs per tile, ``csrc/kda/sm90/pair_intra_math.cuh``) instead of
+  index order, and instead of the cooperative mode unless that mode's model beats the pair form's
+  fit, where two CTAs per tile fit on the SMs (safe gates);
 * cooperative for at most 0.4 x the SMs in tiles (and four chunks of tokens), and up to the SM count
   where fits of the measured times put the mode (from the model of owners' chains and helpers)
   below the fused kernel;
@@ -56,7 +59,10 @@ def test_fused_schedules(monkeypatch):
     assert launch(1, 0, 64, lens=[819] * 10) == "longest-first"  # long sequences too
     assert launch(1, 0, 64, lens=[819] * 10, general=True) == "longest-first"
     assert launch(2, 8192, 64) == "index"  # 128 tiles: one per SM
-    assert launch(1, 255, 4) == "index"  # fewer than four chunks of tokens
+    assert launch(1, 255, 4) == "pair"  # fewer than four chunks of tokens; 8 CTAs fit
+    monkeypatch.setenv("CULA_KDA_PAIR", "0")
+    assert launch(1, 255, 4) == "index"
+    monkeypatch.delenv("CULA_KDA_PAIR")
     monkeypatch.setenv("CULA_KDA_SCHEDULE", "index")
     assert launch(1, 0, 64, lens=lens100) == "index"
     assert launch(8, 1024, 64) == "index"
@@ -69,7 +75,7 @@ def test_few_tiles_cooperative():
     # B1 T32768 H8: the owners' chains bound it (512 chunks x 1.4 us against 4096 x 12 us over 116
     # helpers): one kernel, two owners per tile, no segments.
     assert launch(1, 32768, 8) == "cooperative-one-kernel-split"
-    assert launch(1, 2 ** 20, 8) == "index"  # the workspace (one stage per chunk and head) past 4 GiB
+    assert launch(1, 2 ** 20, 8) == "pair"  # the workspace (one stage per chunk and head) past 4 GiB: fused
     # B1 T8192 H16: the helpers bound it: two kernels.
     assert launch(1, 8192, 16) == "cooperative-two-kernels-split"
     # Fixed length: the host decides the value split (value_split_pays). Measured (H100, blocks of
@@ -137,19 +143,20 @@ def test_tiles_per_owner_up_to_the_sm_count():
     # 0.953 vs 0.714) and up to 74 tiles of long sequences (B1 T2048 H56: 0.280 vs 0.246, B1 T4096
     # H72: 0.495 vs 0.462, B1 T8192 H74: 0.959 vs 0.863, B2 T8192 H37: 0.953 vs 0.862, B1 T16384
     # H70: 1.869 vs 1.525).
-    assert launch(1, 1024, 56) == "index"
-    assert launch(1, 1024, 64) == "index"
-    assert launch(2, 1024, 32) == "index"
+    # (where two CTAs per tile fit, the pair form runs instead of the fused kernel: test_pair_form)
+    assert launch(1, 1024, 56) == "pair"
+    assert launch(1, 1024, 64) == "pair"
+    assert launch(2, 1024, 32) == "pair"
     assert launch(1, 1024, 72) == "index"
     assert launch(1, 2048, 70) == "index"
-    assert launch(1, 1536, 64) == "cooperative-two-kernels-2-tiles-per-owner"
-    assert launch(1, 2048, 56) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 1536, 64) == "pair"  # the pair form's fit beats the mode's model
+    assert launch(1, 2048, 56) == "pair"
     assert launch(1, 4096, 72) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 74) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(2, 8192, 37) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 16384, 75) == "index"
-    assert launch(1, 2048, 64) == "cooperative-two-kernels-2-tiles-per-owner"
-    assert launch(1, 2048, 58) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 2048, 64) == "pair"
+    assert launch(1, 2048, 58) == "pair"
     assert launch(1, 8192, 68) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 71) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 16384, 70) == "cooperative-two-kernels-2-tiles-per-owner"
@@ -185,9 +192,37 @@ def test_tiles_per_owner_up_to_the_sm_count():
     assert launch(1, 0, 32, lens=[4096, 4096]) == "cooperative-two-kernels-split-on-device"
 
 
+def test_pair_form(monkeypatch):
+    """The pair form where 2 x tiles <= SMs with safe gates: instead of the fused kernel always,
+    instead of the cooperative mode where that mode's model (tiles-per-owner model, as in
+    cooperative_beats_fused) is not below the pair form's fit (6.3 us per chunk + 36, eager)."""
+    assert launch(1, 1024, 66) == "pair"  # 132 CTAs
+    assert launch(1, 1024, 67) == "index"  # 134 CTAs: more than the SMs
+    assert launch(1, 1024, 57, sms=114) == "pair"  # an H100 PCIe
+    assert launch(1, 1024, 58, sms=114) == "index"
+    assert launch(1, 1024, 64, general=True) == "cooperative-two-kernels-2-tiles-per-owner"  # safe gates only
+    assert launch(1, 0, 8, lens=[100, 1, 0, 64]) == "pair"  # varlen: 32 tiles, 165 tokens
+    # where the mode's model wins: long tiles, few heads
+    assert launch(1, 4096, 64) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 8192, 64) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 1024, 32) == "cooperative-two-kernels"
+    assert launch(1, 32768, 8) == "cooperative-one-kernel-split"
+    monkeypatch.setenv("CULA_KDA_PAIR", "1")  # wherever it can run
+    assert launch(1, 32768, 8) == "pair"
+    assert launch(1, 8192, 64) == "pair"
+    assert launch(1, 8192, 67) == "cooperative-two-kernels-2-tiles-per-owner"  # 134 CTAs do not fit
+    monkeypatch.setenv("CULA_KDA_PAIR", "0")  # never: the rules without it
+    assert launch(1, 1024, 64) == "index"
+    assert launch(1, 2048, 64) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 1024, 32) == "cooperative-two-kernels"
+
+
 def test_variables_force_their_choice(monkeypatch):
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", "0")
+    assert launch(1, 32768, 8) == "pair"  # the fused kernel, on two CTAs per tile
+    monkeypatch.setenv("CULA_KDA_PAIR", "0")
     assert launch(1, 32768, 8) == "index"
+    monkeypatch.delenv("CULA_KDA_PAIR")
     monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
     assert launch(2, 8192, 66) == "index"  # 132 tiles: no SM left for a helper
     assert launch(1, 8192, 112) == "cooperative-two-kernels-4-tiles-per-owner"

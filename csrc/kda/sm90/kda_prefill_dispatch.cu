@@ -157,6 +157,7 @@ constexpr size_t kMaxCooperativeWorkspaceBytes = size_t(4) << 30;  // 4 GiB: e.g
 
 struct Plan {
   bool cooperative = false;
+  bool pair = false;  // the pair form (fused, two CTAs per tile): pair_possible below
   sm90::CooperativePlan coop;
   size_t sync_bytes = 0;    // flags and claim counters, zeroed per call
   size_t matrix_bytes = 0;  // segments: P^T and S_out^T per (tile, segment), fp32
@@ -266,7 +267,36 @@ bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, boo
   return 0.92 * owner_model_us + 87.0 < 0.98 * (7.12 * c + 44.0);
 }
 
+// The pair form (kernel_params.cuh: KernelPass::kFusedPair; pair_intra_math.cuh): one tile on a
+// cluster of two CTAs, each on half of the value columns, the intra-chunk chain split between
+// them. It can run with safe gates where two CTAs per tile fit on the SMs, and then replaces the
+// fused kernel (one CTA per tile): same-process A/B on an H100 (docs/perf-notes.md, "Where it
+// stands (fourteenth session)"), CUDA-graph ms fused / pair: B1 T1024 H64 0.128 / 0.121, T2048
+// H64 0.241 / 0.225, T8192 H64 0.907 / 0.812, T8192 H8-H32 0.90-0.94 / 0.80-0.83 (bitwise the
+// same results). CULA_KDA_PAIR=0 (read per call) runs the fused kernel instead; =1 takes the pair
+// form wherever it can run, also over the cooperative mode.
+bool pair_possible(const KdaPrefillParams& p, int sm_count) {
+  const int64_t tokens = int64_t(p.batch) * p.seqlen;
+  const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
+  return !p.general_gates && tokens > 0 && 2 * num_tiles <= sm_count && !env_is("CULA_KDA_PAIR", "0");
+}
+
+// Where the pair form can run, the cooperative mode must beat it instead of the fused kernel: the
+// pair form's eager time fitted like the fused kernel's in cooperative_beats_fused, from the
+// same-process eager medians of B1 T1024 / T2048 / T8192 H64 (0.137, 0.240, 0.843 ms, one
+// H100 process): 6.3 us per chunk of a tile + 36.
+bool cooperative_beats_pair(double owner_model_us, int64_t chunks_per_tile) {
+  return 0.92 * owner_model_us + 87.0 < 0.98 * (6.3 * double(chunks_per_tile) + 36.0);
+}
+
+Plan plan_call_modes(const KdaPrefillParams& p, int sm_count);
 Plan plan_call(const KdaPrefillParams& p, int sm_count) {
+  Plan plan = plan_call_modes(p, sm_count);
+  plan.pair = !plan.cooperative && pair_possible(p, sm_count);
+  return plan;
+}
+
+Plan plan_call_modes(const KdaPrefillParams& p, int sm_count) {
   Plan plan;
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
@@ -279,6 +309,8 @@ Plan plan_call(const KdaPrefillParams& p, int sm_count) {
   const bool coop_by_model =
       num_tiles < sm_count && cooperative_beats_fused(owner_choice.coop_us, chunks_per_tile, p.general_gates);
   bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
+  if (pair_possible(p, sm_count))
+    coop = coop && cooperative_beats_pair(owner_choice.coop_us, chunks_per_tile) && !env_is("CULA_KDA_PAIR", "1");
   if (env_is("CULA_KDA_COOPERATIVE", "0")) coop = false;
   if (env_is("CULA_KDA_COOPERATIVE", "1")) coop = true;
   if (!coop || tokens == 0 || num_tiles >= sm_count) return plan;
@@ -403,18 +435,6 @@ bool longest_first_schedule(const KdaPrefillParams& p, int sm_count) {
   return !force_index && num_tiles > sm_count && num_tiles <= INT_MAX && p.num_seqs <= sm90::kSortMaxSeqs;
 }
 
-// The pair form (kernel_params.cuh: KernelPass::kFusedPair; pair_intra_math.cuh): one tile on a
-// cluster of two CTAs, for safe gates where two CTAs per tile fit on the SMs (2 x tiles <= SMs).
-// Not yet measured: off unless CULA_KDA_PAIR=1 (read per call), which takes it wherever it can
-// run, also over the cooperative mode.
-bool pair_form(const KdaPrefillParams& p, int sm_count, bool cooperative) {
-  (void)cooperative;
-  const int64_t tokens = int64_t(p.batch) * p.seqlen;
-  const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
-  const bool can = !p.general_gates && tokens > 0 && 2 * num_tiles <= sm_count;
-  return can && env_is("CULA_KDA_PAIR", "1");
-}
-
 // The instantiation for the call's gate form and l2norm (the instantiations/ files, one each):
 // gate given or in the kernel x l2norm, for the decays `kDecays`; the softplus gate exists only in
 // the kernel (the call's gate_softplus implies use_gate_in_kernel).
@@ -496,7 +516,7 @@ const char* kda_prefill_sm90_last_error() { return g_last_error; }
 
 std::string kda_prefill_sm90_launch_name(const KdaPrefillParams& p, int sm_count) {
   const Plan plan = plan_call(p, sm_count);
-  if (pair_form(p, sm_count, plan.cooperative)) return "pair";
+  if (plan.pair) return "pair";
   if (!plan.cooperative) return longest_first_schedule(p, sm_count) ? "longest-first" : "index";
   const sm90::CooperativePlan& c = plan.coop;
   std::string name = c.helper_kernel ? "cooperative-two-kernels" : "cooperative-one-kernel";
@@ -510,7 +530,7 @@ size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& p) {
   int sm_count = 0;
   if (device_sm_count(&sm_count) != cudaSuccess) return 0;
   const Plan plan = plan_call(p, sm_count);
-  if (pair_form(p, sm_count, plan.cooperative)) return 0;
+  if (plan.pair) return 0;
   return plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes;
 }
 
@@ -575,7 +595,7 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
   if ((err = sm_count_of(device, &sm_count)) != cudaSuccess) return err;
 
   const Plan plan = plan_call(p, sm_count);
-  if (pair_form(p, sm_count, plan.cooperative))
+  if (plan.pair)
     return launch_for_gate<false, sm90::KernelPass::kFusedPair, sm90::Decays::kSafe>(p, kp, int(2 * num_tiles), stream);
   if (plan.cooperative) {
     const size_t needed = plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes;
