@@ -130,11 +130,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
         cutlass::arch::ClusterBarrier::init(&smem.prepped_bar[s], kStateThreads);  // the preparing WG(s)
         cutlass::arch::ClusterTransactionBarrier::init(&smem.v_full_bar[s], 1);  // the producer's lane 0
         if constexpr (early_slot_release(kPrepAhead, kLongestFirst, kDecays == Decays::kSafe)) {
-          // the state WG(s); in the pair form's rank 1 also rank 0's, once rank 1's copies of QG
-          // and KG out of these slots have landed (pair_intra_math.cuh)
-          const uint32_t peer = kPair && cluster_cta_rank() == 1 ? 1 : 0;
-          cutlass::arch::ClusterBarrier::init(&smem.k_empty_bar[s], kStateThreads + peer);
-          cutlass::arch::ClusterBarrier::init(&smem.q_empty_bar[s], kStateThreads + peer);
+          cutlass::arch::ClusterBarrier::init(&smem.k_empty_bar[s], kStateThreads);  // the state WG(s)
+          cutlass::arch::ClusterBarrier::init(&smem.q_empty_bar[s], kStateThreads);
         }
       }
       // Released by both state warpgroups, in a cooperative helper by the storer thread, in an
@@ -142,10 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
       // state warpgroup and, in rank 1, by rank 0's once the copy of A_qk has landed.
       cutlass::arch::ClusterBarrier::init(&smem.empty_bar[s], kPair ? 128 + (cluster_cta_rank() == 1 ? 1 : 0)
                                                               : helper ? 1 : (kCoop && coop_role.half >= 0) ? 128 : 256);
-      if constexpr (kPair) {
-        cutlass::arch::ClusterBarrier::init(&smem.peer_prepped_bar[s], 1);  // rank 0's prep WG
-        cutlass::arch::ClusterBarrier::init(&smem.peer_kread_bar[s], 1);    // rank 0's intra WG
-      }
+      if constexpr (kPair) cutlass::arch::ClusterBarrier::init(&smem.peer_prepped_bar[s], 1);  // rank 0's prep WG
       if (helper) {
         cutlass::arch::ClusterBarrier::init(&smem.head_ready_bar[s], 128);  // the intra-chunk warpgroup
         cutlass::arch::ClusterBarrier::init(&smem.head_empty_bar[s], 1);    // the storer thread

@@ -8,27 +8,18 @@
 // matrix:
 //
 //   rank 0  A_kk -> beta, mask -> (I + A_kk)^-1 -> M - I: its own M tile, and a bulk copy into
-//           rank 1's M tile
-//   rank 1  A_qk -> mask -> its own A_qk slot, and a bulk copy into rank 0's -> step 6 (QG, KG)
-//           in its own q and k slots, and bulk copies into rank 0's
+//           rank 1's M tile -> step 6 (QG, KG)
+//   rank 1  A_qk -> mask -> its own A_qk slot, and a bulk copy into rank 0's -> step 6
 //
-// (Rank 0's chain, with the inverse, is the longer one: step 6 on rank 1 only measured faster than
-// on both, docs/perf-notes.md.) Each hand-off is a bulk copy (shared memory to the peer's shared
-// memory) that completes on the receiver's `ready` barrier as transaction bytes, so a CTA's state
-// warpgroup starts chunk c once its own intra-chunk warpgroup and the peer's copies are all done.
-// Where a copy lands must be free:
+// Each hand-off is one 8 KB bulk copy (shared memory to the peer's shared memory) that completes on
+// the receiver's `ready` barrier as transaction bytes, so a CTA's state warpgroup starts chunk c
+// once its own intra-chunk warpgroup and the peer's copy are both done. Where a copy lands must
+// be free:
 //   * rank 1's M tile: rank 1's state warpgroup has read the previous M (its arrive on rank 0's
 //     m_tile_empty_bar, which rank 0's intra-chunk warpgroup waits for before its scratch is
 //     written, counts one arrive per CTA);
 //   * rank 0's A_qk slot of the stage: it is rank 0's prep scratch for the chunk until rank 0's
-//     prep is done (rank 0's prep warpgroup arrives on rank 1's peer_prepped_bar); so is its q
-//     slot (QE, which rank 0 never reads);
-//   * rank 0's k slot: rank 0's A products read KE there (rank 0's intra-chunk warpgroup arrives
-//     on rank 1's peer_kread_bar once they are done).
-// And a copy's source must not be overwritten before it is read: rank 0's M tile is written
-// again only after rank 1's arrive on m_tile_empty_bar; rank 1's stage slots are reloaded only
-// once rank 0 has received the copies (rank 0's state warpgroup arrives on rank 1's `empty`,
-// `k_empty` and `q_empty`).
+//     prep is done (rank 0's prep warpgroup arrives on rank 1's peer_prepped_bar).
 // Per CTA the two state warpgroups take other roles than in the fused kernel: the warpgroup of the
 // CTA's value half (2 + rank) runs the recurrence (state_math.cuh, kPair), the other one the prep
 // ahead (steps 1-3 of every chunk, chunk_prep.cuh with 128 threads), so that neither waits for the
@@ -47,14 +38,12 @@ namespace cula::kda::sm90 {
 constexpr uint32_t kPairCopyBytes = kChunk * kChunk * 2;  // A_qk or M - I: one 64 x 64 16-bit box
 static_assert(kPairCopyBytes == sizeof(StageStorage::aqk) && kPairCopyBytes <= sizeof(SharedStorage::intra_scratch),
               "a hand-off is one box");
-// What rank 0's `ready` receives from rank 1 per chunk: A_qk, QG and KG.
-constexpr uint32_t kPairRank0RxBytes = kPairCopyBytes + 2 * kTileBytes;
 
-// One chunk of either rank, through one call site and one copy of the A products: the two SMs of
-// a cluster then fetch mostly the same code (with a copy per rank, ncu showed the pair form's
-// warps stalled on instruction fetch 3x per issued instruction at 64 tiles against 0.3 in the
-// fused kernel). Rank 0: A_kk, its mask, the inverse, M - I (kept and copied to rank 1); rank 1:
-// A_qk, its mask (kept and copied to rank 0), step 6 (kept and copied to rank 0).
+// One chunk of either rank, through one call site and one copy of the A products and of step 6:
+// the two SMs of a cluster then fetch mostly the same code (with a copy per rank, ncu showed the
+// pair form's warps stalled on instruction fetch 3x per issued instruction at 64 tiles against 0.3
+// in the fused kernel). Rank 0: A_kk, its mask, the inverse, M - I (kept and copied to rank 1);
+// rank 1: A_qk, its mask (kept and copied to rank 0); then step 6.
 template <bool kL2Norm>
 __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStorage& st, const IntraScratch& ws,
                                                  int stage, uint32_t phase, int rank, int tid, PhaseTimer& timer,
@@ -102,8 +91,6 @@ __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStora
         }
     timer.mark(3);
     named_barrier_sync(ws.bar, 128);  // every warp done reading KE (step 4) and writing its diagonal block
-    // Rank 1 may copy KG over KE.
-    if (tid == 0) mbarrier_arrive_cluster(cluster_smem_addr(smem_u32(&smem.peer_kread_bar[stage]), 1));
     float m[32];
     if constexpr (half_inverse(kL2Norm)) {
       invert_unit_lower_half(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
@@ -121,7 +108,6 @@ __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStora
       bulk_copy_to_peer(cluster_smem_addr(tile, 1), tile, kPairCopyBytes,
                         cluster_smem_addr(smem_u32(&smem.ready_bar[stage]), 1));
     }
-    timer.mark(4);
   } else {
     // Step 5 for A_qk as in intra_chunk: strictly lower (its diagonal is st.aqk_diag) -> the slot.
 #pragma unroll
@@ -149,18 +135,10 @@ __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStora
                         cluster_smem_addr(smem_u32(&smem.ready_bar[stage]), 0));
     }
     timer.mark(1);
-    // Step 6 for both ranks: QG, KG here, then copied into rank 0's q and k slots.
-    form_qg_kg<false, false, false, false>(st, ws.a_ref, tid);
-    fence_smem_to_async_proxy();
-    named_barrier_sync(ws.bar, 128);
-    if (tid == 0) {
-      const uint32_t rx = cluster_smem_addr(smem_u32(&smem.ready_bar[stage]), 0);
-      bulk_copy_to_peer(cluster_smem_addr(smem_u32(st.q), 0), smem_u32(st.q), kTileBytes, rx);
-      cutlass::arch::ClusterBarrier::wait(&smem.peer_kread_bar[stage], phase);  // rank 0 is done with KE
-      bulk_copy_to_peer(cluster_smem_addr(smem_u32(st.k), 0), smem_u32(st.k), kTileBytes, rx);
-    }
-    timer.mark(4);
   }
+  // Step 6 last: rank 1's chain waits for M, rank 0's for everything.
+  form_qg_kg<false, false, false, false>(st, ws.a_ref, tid);
+  timer.mark(4);
 }
 
 // The intra-chunk warpgroup of the pair form: per chunk, wait for its own prep (`prepped`), its
@@ -182,19 +160,18 @@ __device__ __forceinline__ void run_pair_intra(const KdaKernelParams& kp, Shared
       timer.mark(0);
       pair_intra_chunk<kL2Norm>(smem, st, ws, pipe.stage, pipe.phase, rank, tid, timer, m_tile_phase);
       m_tile_phase ^= 1u;  // (rank 0's barrier; rank 1 never waits on its own)
-      // Step 9: hand the stage to the state warpgroup (rank 1: QG, KG, generic stores read by WGMMA).
+      // Step 9: hand the stage to the state warpgroup (QG, KG: generic stores read by WGMMA).
       fence_smem_to_async_proxy();
       if (tid == 0) {
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.ready_bar[pipe.stage],
-                                                                      rank == 0 ? kPairRank0RxBytes : kPairCopyBytes);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.ready_bar[pipe.stage], kPairCopyBytes);
       } else {
         cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);
       }
       timer.mark(6);
     }
   }
-  timer.report(rank == 0 ? "pair intra rank0: wait m-wait akk mask M+copy inv:M arrive inv:D inv:N inv:N2,Y"
-                         : "pair intra rank1: wait copy aqk mask qg+kg+copies - arrive - - -",
+  timer.report(rank == 0 ? "pair intra rank0: wait m-wait akk mask M+copy+qg+kg inv:M arrive inv:D inv:N inv:N2,Y"
+                         : "pair intra rank1: wait copy aqk mask qg+kg - arrive - - -",
                tid);
 }
 

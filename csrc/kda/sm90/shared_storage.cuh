@@ -162,9 +162,6 @@ struct alignas(1024) SharedStorage {
   // with its scratch in rank 0's A_qk slot, so rank 1 may copy its A_qk there (rank 0's prep
   // warpgroup -> rank 1's intra-chunk warpgroup, a remote arrive).
   uint64_t peer_prepped_bar[kStages];
-  // The pair form, rank 1 only: rank 0's A products are done reading KE in rank 0's k slot, so
-  // rank 1 may copy its KG there (rank 0's intra-chunk warpgroup -> rank 1's, a remote arrive).
-  uint64_t peer_kread_bar[kStages];
 };
 
 // Intra scratch: the l2-norm reciprocals and the row statistics (steps 1-3), then the fp32

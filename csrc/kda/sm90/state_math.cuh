@@ -45,8 +45,8 @@ __device__ __forceinline__ void scale_state_rows(StateFragment& s, const float (
 // kPair (the pair form, pair_intra_math.cuh): the CTA's one state warpgroup of the recurrence,
 // warpgroup 2 + half for cluster rank `half` (its value columns); the other warpgroup runs the
 // prep, so this one prepares nothing. It tells rank 0 that it has read the M tile (rank 0 copies
-// the next one into rank 1's), and rank 0's tells rank 1 that A_qk, QG and KG have landed (rank
-// 1's copies have read their sources in rank 1's stage, which its reload may then overwrite).
+// the next one into rank 1's), and rank 0's tells rank 1 that A_qk has landed (rank 1's copy of it
+// has read its source in rank 1's A_qk slot, which the stage's reload may then overwrite).
 template <bool kLongestFirst, bool kPrepAhead, bool kGateInKernel = false, bool kL2Norm = false,
           Decays kDecays = Decays::kSafe, bool kPair = false>
 __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, SharedStorage& smem, int half) {
@@ -190,17 +190,10 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
       timer.mark(0);
-      // kPair, rank 0: rank 1's copies of A_qk, QG and KG have landed, so they have read their
-      // sources in rank 1's stage (whose reload waits for this too: rank 1's `empty`, `q_empty`
-      // and `k_empty` count one more arrive each).
+      // kPair, rank 0: rank 1's copy of A_qk has landed, so it has read its source (rank 1's stage
+      // reload waits for this too: its `empty` counts one more arrive).
       if constexpr (kPair) {
-        if (half == 0 && tid == 0) {
-          mbarrier_arrive_cluster(cluster_smem_addr(smem_u32(&smem.empty_bar[pipe.stage]), 1));
-          if constexpr (kEarlySlots) {
-            mbarrier_arrive_cluster(cluster_smem_addr(smem_u32(&smem.k_empty_bar[pipe.stage]), 1));
-            mbarrier_arrive_cluster(cluster_smem_addr(smem_u32(&smem.q_empty_bar[pipe.stage]), 1));
-          }
-        }
+        if (half == 0 && tid == 0) mbarrier_arrive_cluster(cluster_smem_addr(smem_u32(&smem.empty_bar[pipe.stage]), 1));
       }
 
       // (a) S (fp32 registers) -> bf16 [K=128 rows, 64 columns], the MN-major B operand, unless
