@@ -270,23 +270,18 @@ bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, boo
 // The pair form (kernel_params.cuh: KernelPass::kFusedPair; pair_intra_math.cuh): one tile on a
 // cluster of two CTAs, each on half of the value columns, the intra-chunk chain split between
 // them. It can run with safe gates where two CTAs per tile fit on the SMs, and then replaces the
-// fused kernel (one CTA per tile): same-process A/B on an H100 (docs/perf-notes.md, "Where it
+// fused kernel (one CTA per tile): same-process A/Bs on H100s (docs/perf-notes.md, "Where it
 // stands (fourteenth session)"), CUDA-graph ms fused / pair: B1 T1024 H64 0.128 / 0.121, T2048
 // H64 0.241 / 0.225, T8192 H64 0.907 / 0.812, T8192 H8-H32 0.90-0.94 / 0.80-0.83 (bitwise the
-// same results). CULA_KDA_PAIR=0 (read per call) runs the fused kernel instead; =1 takes the pair
-// form wherever it can run, also over the cooperative mode.
+// same results). Not the cooperative mode, where the host chose it: the mode measured faster than
+// the pair form on the rows it takes that the pair form could run (eager ms mode / pair: B1 T1536
+// H64 0.192 / 0.201, T2048 H64 0.228 / 0.253, T2048 H56 0.219 / 0.240, T1024 H32 0.094 / 0.132,
+// T1024 H16 0.068 / 0.128). CULA_KDA_PAIR=0 (read per call) runs the fused kernel instead; =1
+// takes the pair form wherever it can run, also over the cooperative mode.
 bool pair_possible(const KdaPrefillParams& p, int sm_count) {
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
   return !p.general_gates && tokens > 0 && 2 * num_tiles <= sm_count && !env_is("CULA_KDA_PAIR", "0");
-}
-
-// Where the pair form can run, the cooperative mode must beat it instead of the fused kernel: the
-// pair form's eager time fitted like the fused kernel's in cooperative_beats_fused, from the
-// same-process eager medians of B1 T1024 / T2048 / T8192 H64 (0.137, 0.240, 0.843 ms, one
-// H100 process): 6.3 us per chunk of a tile + 36.
-bool cooperative_beats_pair(double owner_model_us, int64_t chunks_per_tile) {
-  return 0.92 * owner_model_us + 87.0 < 0.98 * (6.3 * double(chunks_per_tile) + 36.0);
 }
 
 Plan plan_call_modes(const KdaPrefillParams& p, int sm_count);
@@ -309,8 +304,7 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count) {
   const bool coop_by_model =
       num_tiles < sm_count && cooperative_beats_fused(owner_choice.coop_us, chunks_per_tile, p.general_gates);
   bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
-  if (pair_possible(p, sm_count))
-    coop = coop && cooperative_beats_pair(owner_choice.coop_us, chunks_per_tile) && !env_is("CULA_KDA_PAIR", "1");
+  if (pair_possible(p, sm_count) && env_is("CULA_KDA_PAIR", "1")) coop = false;
   if (env_is("CULA_KDA_COOPERATIVE", "0")) coop = false;
   if (env_is("CULA_KDA_COOPERATIVE", "1")) coop = true;
   if (!coop || tokens == 0 || num_tiles >= sm_count) return plan;
