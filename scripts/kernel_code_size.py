@@ -58,9 +58,10 @@ class KernelSize:
     @property
     def pass_name(self) -> str:
         """The kernel's KernelPass from its mangled template arguments (the fused kernels take
-        kFused = 0, the owners' kCooperative = 1, the helpers' kCoopHelpers = 2)."""
+        kFused = 0, the owners' kCooperative = 1, the helpers' kCoopHelpers = 2, the pair form
+        kFusedPair = 3)."""
         m = re.search(r"KernelPass(?:E)?(\d)", self.name)
-        return {"0": "fused", "1": "cooperative", "2": "helpers"}.get(m.group(1), "?") if m else "?"
+        return {"0": "fused", "1": "cooperative", "2": "helpers", "3": "pair"}.get(m.group(1), "?") if m else "?"
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")

@@ -64,4 +64,5 @@ def test_kernel_pass_and_size_from_the_mangled_name():
     fused = kcs.KernelSize(FUSED, instructions=11008)
     assert fused.pass_name == "fused"
     assert kcs.KernelSize(HELPERS).pass_name == "helpers"
+    assert kcs.KernelSize(HELPERS.replace("KernelPassE2", "KernelPassE3")).pass_name == "pair"
     assert abs(fused.kib - 11008 * 16 / 1024) < 1e-9
