@@ -18,7 +18,9 @@ each round every mode once) after different preparations:
 * ``tiny_cold``: the one-chunk call's own replay after a flush (a launch of one chunk).
 
 The big and the one-chunk calls must run the same kernel: run it with ``CULA_KDA_COOPERATIVE=0``
-(the script prints both launches). Measured on 2026-11-27 (H100, docs/perf-notes.md).
+(the script prints both launches; both then run the pair form where it applies, or with
+``CULA_KDA_PAIR=0`` as well the fused kernel with one CTA per tile, as measured on 2026-11-27 at
+1cf332c, H100, docs/perf-notes.md).
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ A hand-off that lands in the wrong stage, a copy that overtakes a read, or a ran
 the other rank's columns shows up as a difference.
 
 Cases: sequences shorter than one chunk, lengths on and off chunk edges, one tile (B1 H1), 66
-tiles (132 CTAs on an H100: every SM), several tiles per cluster where the grid is capped by the
-launch (CTAs beyond the SM count run in a second wave), varlen mixes of long, short, length-1 and
-empty sequences with initial states, both state layouts, GVA, precomputed gates without l2norm,
-bf16 beta; also determinism and a CUDA-graph capture.
+tiles (132 CTAs on an H100: every SM), varlen mixes of long, short, length-1 and empty sequences
+with initial states, both state layouts, GVA, precomputed gates without l2norm, bf16 beta; also
+determinism and a CUDA-graph capture. (The host launches one cluster per tile, 2 x tiles <= SMs,
+so a cluster never has a second tile.)
 """
 
 from __future__ import annotations

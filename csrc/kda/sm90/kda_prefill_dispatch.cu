@@ -271,13 +271,14 @@ bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, boo
 // cluster of two CTAs, each on half of the value columns, the intra-chunk chain split between
 // them. It can run with safe gates where two CTAs per tile fit on the SMs, and then replaces the
 // fused kernel (one CTA per tile): same-process A/Bs on H100s (docs/perf-notes.md, "Where it
-// stands (fourteenth session)"), CUDA-graph ms fused / pair: B1 T1024 H64 0.128 / 0.121, T2048
-// H64 0.241 / 0.225, T8192 H64 0.907 / 0.812, T8192 H8-H32 0.90-0.94 / 0.80-0.83 (bitwise the
-// same results). Not the cooperative mode, where the host chose it: the mode measured faster than
-// the pair form on the rows it takes that the pair form could run (eager ms mode / pair: B1 T1536
-// H64 0.192 / 0.201, T2048 H64 0.228 / 0.253, T2048 H56 0.219 / 0.240, T1024 H32 0.094 / 0.132,
-// T1024 H16 0.068 / 0.128). CULA_KDA_PAIR=0 (read per call) runs the fused kernel instead; =1
-// takes the pair form wherever it can run, also over the cooperative mode.
+// stands (71ba941)"), CUDA-graph ms fused / pair: B1 T1024 H64 0.128 / 0.121, T2048 H64 0.241 /
+// 0.225, T8192 H64 0.907 / 0.812, T8192 H8-H32 0.90-0.94 / 0.80-0.83 (bitwise the same results).
+// Not the cooperative mode, where the host chose it: the mode measured faster than the pair form
+// (27896af's variant, within 1.5 % of this one) on the rows it takes that the pair form could run
+// (eager ms mode / pair: B1 T1536 H64 0.192 / 0.201, T2048 H64 0.228 / 0.253, T2048 H56 0.219 /
+// 0.240, T1024 H32 0.094 / 0.132, T1024 H16 0.068 / 0.128). CULA_KDA_PAIR=0 (read per call) runs
+// the fused kernel instead; =1 takes the pair form wherever it can run, also over the cooperative
+// mode.
 bool pair_possible(const KdaPrefillParams& p, int sm_count) {
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;

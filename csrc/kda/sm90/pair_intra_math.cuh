@@ -41,9 +41,9 @@ static_assert(kPairCopyBytes == sizeof(StageStorage::aqk) && kPairCopyBytes <= s
 
 // One chunk of either rank, through one call site and one copy of the A products and of step 6:
 // the two SMs of a cluster then fetch mostly the same code (with a copy per rank, ncu showed the
-// pair form's warps stalled on instruction fetch 3x per issued instruction at 64 tiles against 0.3
-// in the fused kernel). Rank 0: A_kk, its mask, the inverse, M - I (kept and copied to rank 1);
-// rank 1: A_qk, its mask (kept and copied to rank 0); then step 6.
+// pair form's warps stalled on instruction fetch 3.1 cycles per issued instruction at 64 tiles,
+// against 0.3 in the fused kernel). Rank 0: A_kk, its mask, the inverse, M - I (kept and copied to
+// rank 1); rank 1: A_qk, its mask (kept and copied to rank 0); then step 6.
 template <bool kL2Norm>
 __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStorage& st, const IntraScratch& ws,
                                                  int stage, uint32_t phase, int rank, int tid, PhaseTimer& timer,
