@@ -97,3 +97,39 @@ def test_pair_cuda_graph(seed: int, monkeypatch):
     torch.cuda.synchronize()
     o, s = run_sm90(inp)
     assert torch.equal(o_g, o) and torch.equal(s_g, s)
+
+
+@gpu_sm90
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_pair_state_pool_bitwise_fused(dtype: torch.dtype, layout: str, seed: int, monkeypatch):
+    """A state pool read and written in place by index (pad slots, a sequence starting from zeros,
+    an empty one, bf16 rows): the pair form writes bitwise the fused kernel's pool rows and o, and
+    leaves the other rows alone; output_final_state=False gives the same o and writes nothing."""
+    spec = varlen("pool", [300, 1, 0, 129], H=2, HV=4, h0=False, layout=layout)
+    inp = make_inputs(spec)
+    S = 6
+    pool0 = (0.1 * torch.randn(S, spec.HV, 128, 128, device="cuda")).to(dtype)
+    idx = torch.tensor([3, -1, 0, 5], device="cuda", dtype=torch.int32)
+    has = torch.tensor([True, True, False, True], device="cuda")
+    runs = {}
+    for pair in ("0", "1"):
+        monkeypatch.setenv("CULA_KDA_COOPERATIVE", "0")
+        monkeypatch.setenv("CULA_KDA_PAIR", pair)
+        assert _launch_name(spec) == ("pair" if pair == "1" else "index")
+        pool = pool0.clone()
+        o, state = run_sm90(inp, initial_state=pool, state_indices=idx, has_initial_state=has)
+        assert state is pool
+        read_only = pool0.clone()
+        o_ro, none = run_sm90(inp, output_final_state=False, initial_state=read_only, state_indices=idx,
+                              has_initial_state=has)
+        assert none is None and torch.equal(read_only, pool0), "output_final_state=False wrote the pool"
+        assert torch.equal(o_ro, o), "o differs with output_final_state=False"
+        runs[pair] = (o, pool)
+    (o_f, pool_f), (o_p, pool_p) = runs["0"], runs["1"]
+    assert torch.equal(o_p, o_f), f"o: pair vs fused differ ({(o_p.float() - o_f.float()).abs().max():.3e})"
+    assert torch.equal(pool_p, pool_f), "pool: pair vs fused differ"
+    for row in (1, 2, 4):  # no sequence's slot
+        assert torch.equal(pool_p[row], pool0[row]), f"pool row {row} changed"
+    for row in (0, 3, 5):  # the sequences' slots were written
+        assert not torch.equal(pool_p[row], pool0[row]), f"pool row {row} not written"
