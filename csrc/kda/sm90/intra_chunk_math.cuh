@@ -717,6 +717,50 @@ __device__ __forceinline__ void store_accumulator_bf16(uint8_t* tile, const floa
   }
 }
 
+// Step 5 per entry pair. The thread's entries of the A products' accumulators [bj][8] (m64n16 per
+// column block bj), visited as pairs (i, j), (i, j + 1) at registers r, r + 1: f(bj, n8, h2, i, j, r).
+template <typename F>
+__device__ __forceinline__ void for_each_entry_pair(int warp, int g4, int t4, F&& f) {
+#pragma unroll
+  for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+#pragma unroll
+    for (int n8 = 0; n8 < 2; ++n8) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = kSubBlock * warp + g4 + 8 * h2;
+        const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
+        f(bj, n8, h2, i, j, n8 * 4 + h2 * 2);
+      }
+    }
+  }
+}
+// A_qk's pair, strictly lower (its diagonal is st.aqk_diag), into the stage (bf16, or fp16).
+template <bool kAqkHalf>
+__device__ __forceinline__ void store_masked_aqk_pair(StageStorage& st, int i, int j, float x0, float x1) {
+  const float q0 = (j < i) ? x0 : 0.f;
+  const float q1 = (j + 1 < i) ? x1 : 0.f;
+  *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) =
+      kAqkHalf ? float2_to_half2(q0, q1) : float2_to_bf16x2(q0, q1);
+}
+// A = beta_i A_kk's pair, strictly lower: the blocks below the diagonal into registers (a_off,
+// m64n64 accumulator layout), the diagonal block into the inverse's scratch, transposed (row j of
+// the scratch block is column j of A_d).
+__device__ __forceinline__ void mask_akk_pair(float* diag, float (&a_off)[8 * (kNumSubBlocks - 1)], int bj, int n8,
+                                              int h2, int i, int j, int r, int warp, int g4, int t4, float bi,
+                                              float x0, float x1) {
+  const float a0 = (j < i) ? x0 * bi : 0.f;
+  const float a1 = (j + 1 < i) ? x1 * bi : 0.f;
+  if (bj == warp) {
+    float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
+    dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
+    dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
+  }
+  if (bj < kNumSubBlocks - 1) {
+    a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
+    a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
+  }
+}
+
 // Step 6 on the stage: QG = QE exp2(r_b) = q exp2(G) in the q slot, KG = beta KE exp2(r_b) in the k
 // slot (in place; kFoldDecay: KT' in the g slot too); thread (h, cp) = (tid / 64, tid % 64) owns
 // features 2 cp, 2 cp + 1 of rows [32 h, 32 h + 32). For W, beta goes into the right-hand operand
@@ -901,42 +945,19 @@ __device__ __forceinline__ void intra_chunk(const KdaPrefillParams& p, const Int
         // Every warp has read the corrections before A_qk is written over them.
         if constexpr (kPrepped) named_barrier_sync(ws.bar, 128);
       }
-#pragma unroll
-      for (int bj = 0; bj < kNumSubBlocks; ++bj) {
-#pragma unroll
-        for (int n8 = 0; n8 < 2; ++n8) {
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int i = kSubBlock * warp + g4 + 8 * h2;
-            const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
-            const int r = n8 * 4 + h2 * 2;
-            const float bi = h2 ? beta_hi : beta_lo;
-            if constexpr (kGeneral) {
-              if (bj == warp) {
-                aqk[bj][r] += corr_qk[n8][h2][0];
-                aqk[bj][r + 1] += corr_qk[n8][h2][1];
-                akk[bj][r] += corr_kk[n8][h2][0];
-                akk[bj][r + 1] += corr_kk[n8][h2][1];
-              }
-            }
-            const float q0 = (j < i) ? aqk[bj][r] : 0.f;
-            const float q1 = (j + 1 < i) ? aqk[bj][r + 1] : 0.f;
-            *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) =
-                kAqkHalf ? float2_to_half2(q0, q1) : float2_to_bf16x2(q0, q1);
-            const float a0 = (j < i) ? akk[bj][r] * bi : 0.f;
-            const float a1 = (j + 1 < i) ? akk[bj][r + 1] * bi : 0.f;
-            if (bj == warp) {  // transposed: row j of the scratch block is column j of A_d
-              float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
-              dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
-              dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
-            }
-            if (bj < kNumSubBlocks - 1) {
-              a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
-              a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
-            }
+      for_each_entry_pair(warp, g4, t4, [&](int bj, int n8, int h2, int i, int j, int r) {
+        if constexpr (kGeneral) {
+          if (bj == warp) {
+            aqk[bj][r] += corr_qk[n8][h2][0];
+            aqk[bj][r + 1] += corr_qk[n8][h2][1];
+            akk[bj][r] += corr_kk[n8][h2][0];
+            akk[bj][r + 1] += corr_kk[n8][h2][1];
           }
         }
-      }
+        store_masked_aqk_pair<kAqkHalf>(st, i, j, aqk[bj][r], aqk[bj][r + 1]);
+        mask_akk_pair(diag, a_off, bj, n8, h2, i, j, r, warp, g4, t4, h2 ? beta_hi : beta_lo, akk[bj][r],
+                      akk[bj][r + 1]);
+      });
     }
     timer.mark(3);
 

@@ -285,14 +285,16 @@ bool pair_possible(const KdaPrefillParams& p, int sm_count) {
   return !p.general_gates && tokens > 0 && 2 * num_tiles <= sm_count && !env_is("CULA_KDA_PAIR", "0");
 }
 
-Plan plan_call_modes(const KdaPrefillParams& p, int sm_count);
+// can_pair: pair_possible, decided once per call by plan_call.
+Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair);
 Plan plan_call(const KdaPrefillParams& p, int sm_count) {
-  Plan plan = plan_call_modes(p, sm_count);
-  plan.pair = !plan.cooperative && pair_possible(p, sm_count);
+  const bool can_pair = pair_possible(p, sm_count);
+  Plan plan = plan_call_modes(p, sm_count, can_pair);
+  plan.pair = !plan.cooperative && can_pair;
   return plan;
 }
 
-Plan plan_call_modes(const KdaPrefillParams& p, int sm_count) {
+Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
   Plan plan;
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
@@ -305,7 +307,7 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count) {
   const bool coop_by_model =
       num_tiles < sm_count && cooperative_beats_fused(owner_choice.coop_us, chunks_per_tile, p.general_gates);
   bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
-  if (pair_possible(p, sm_count) && env_is("CULA_KDA_PAIR", "1")) coop = false;
+  if (can_pair && env_is("CULA_KDA_PAIR", "1")) coop = false;
   if (env_is("CULA_KDA_COOPERATIVE", "0")) coop = false;
   if (env_is("CULA_KDA_COOPERATIVE", "1")) coop = true;
   if (!coop || tokens == 0 || num_tiles >= sm_count) return plan;

@@ -28,6 +28,20 @@ cudaError_t opt_in_shared_memory(Kernel kernel, std::atomic<uint64_t>& set_mask)
   return cudaSuccess;
 }
 
+// A launch of `kernel` over `grid` CTAs of the kernel's shape with launch attributes.
+template <typename Kernel>
+cudaError_t launch_with_attributes(Kernel kernel, const KdaKernelParams& kp, int grid, cudaStream_t stream,
+                                   cudaLaunchAttribute* attributes, unsigned num_attributes) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(grid));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSharedBytes;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = num_attributes;
+  return cudaLaunchKernelEx(&config, kernel, kp);
+}
+
 // Two-kernel form of the cooperative mode: the helpers' kernel, then the owners' (`owners`, the
 // kCooperative kernel) by programmatic dependent launch (kernel_params.cuh: CooperativePlan).
 template <bool kGateInKernel, bool kL2Norm, Decays kDecays, typename Kernel>
@@ -38,17 +52,10 @@ cudaError_t launch_helpers_then_owners(Kernel owners, const KdaKernelParams& kp,
   if ((err = opt_in_shared_memory(helpers, helpers_mask)) != cudaSuccess) return err;
   helpers<<<grid, kThreads, kSharedBytes, stream>>>(kp);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(grid));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSharedBytes;
-  config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = kp.coop.overlap_owners ? 1 : 0;
-  return cudaLaunchKernelEx(&config, owners, kp);
+  return launch_with_attributes(owners, kp, grid, stream, attribute, kp.coop.overlap_owners ? 1 : 0);
 }
 
 // kFused: one kernel. kCooperative: one kernel, or (kp.coop.helper_kernel) the helpers' kernel and
@@ -63,19 +70,12 @@ cudaError_t launch_kda_prefill_kernel(const KdaKernelParams& kp, int grid, cudaS
   cudaError_t err = opt_in_shared_memory(kernel, set_mask);
   if (err != cudaSuccess) return err;
   if constexpr (kPass == KernelPass::kFusedPair) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(unsigned(grid));
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = kSharedBytes;
-    config.stream = stream;
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeClusterDimension;
     attribute[0].val.clusterDim.x = 2;
     attribute[0].val.clusterDim.y = 1;
     attribute[0].val.clusterDim.z = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, kp);
+    return launch_with_attributes(kernel, kp, grid, stream, attribute, 1);
   }
   if (kPass == KernelPass::kFused || !kp.coop.helper_kernel) {
     kernel<<<grid, kThreads, kSharedBytes, stream>>>(kp);

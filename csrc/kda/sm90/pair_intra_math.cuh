@@ -67,28 +67,9 @@ __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStora
     float a_off[8 * (kNumSubBlocks - 1)];
     const float beta_lo = st.beta[kSubBlock * warp + g4];
     const float beta_hi = st.beta[kSubBlock * warp + g4 + 8];
-#pragma unroll
-    for (int bj = 0; bj < kNumSubBlocks; ++bj)
-#pragma unroll
-      for (int n8 = 0; n8 < 2; ++n8)
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = kSubBlock * warp + g4 + 8 * h2;
-          const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
-          const int r = n8 * 4 + h2 * 2;
-          const float bi = h2 ? beta_hi : beta_lo;
-          const float a0 = (j < i) ? a[bj][r] * bi : 0.f;
-          const float a1 = (j + 1 < i) ? a[bj][r + 1] * bi : 0.f;
-          if (bj == warp) {
-            float* dblock = diag + warp * kDiagBlockFloats + (g4 + 8 * h2);
-            dblock[(8 * n8 + 2 * t4) * kDiagLd] = a0;
-            dblock[(8 * n8 + 2 * t4 + 1) * kDiagLd] = a1;
-          }
-          if (bj < kNumSubBlocks - 1) {
-            a_off[bj * 8 + r] = bj < warp ? a0 : 0.f;
-            a_off[bj * 8 + r + 1] = bj < warp ? a1 : 0.f;
-          }
-        }
+    for_each_entry_pair(warp, g4, t4, [&](int bj, int n8, int h2, int i, int j, int r) {
+      mask_akk_pair(diag, a_off, bj, n8, h2, i, j, r, warp, g4, t4, h2 ? beta_hi : beta_lo, a[bj][r], a[bj][r + 1]);
+    });
     timer.mark(3);
     named_barrier_sync(ws.bar, 128);  // every warp done reading KE (step 4) and writing its diagonal block
     float m[32];
@@ -110,20 +91,9 @@ __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStora
     }
   } else {
     // Step 5 for A_qk as in intra_chunk: strictly lower (its diagonal is st.aqk_diag) -> the slot.
-#pragma unroll
-    for (int bj = 0; bj < kNumSubBlocks; ++bj)
-#pragma unroll
-      for (int n8 = 0; n8 < 2; ++n8)
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = kSubBlock * warp + g4 + 8 * h2;
-          const int j = kSubBlock * bj + 8 * n8 + 2 * t4;
-          const int r = n8 * 4 + h2 * 2;
-          const float q0 = (j < i) ? a[bj][r] : 0.f;
-          const float q1 = (j + 1 < i) ? a[bj][r + 1] : 0.f;
-          *reinterpret_cast<uint32_t*>(st.aqk + sw128_offset(i, j, kChunk)) =
-              kAqkHalf ? float2_to_half2(q0, q1) : float2_to_bf16x2(q0, q1);
-        }
+    for_each_entry_pair(warp, g4, t4, [&](int bj, int, int, int i, int j, int r) {
+      store_masked_aqk_pair<kAqkHalf>(st, i, j, a[bj][r], a[bj][r + 1]);
+    });
     fence_smem_to_async_proxy();
     timer.mark(3);
     named_barrier_sync(ws.bar, 128);  // A_qk is written, and every warp is done reading QE (step 4)
