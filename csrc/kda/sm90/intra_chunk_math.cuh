@@ -579,6 +579,24 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
   named_barrier_sync(ws.bar, 128);
 }
 
+// The A products' scale pairs of a chunk, bf16x2 exp2(r_w - r_bj) for feature pair cp, at
+// [w][bj][cp] (uint32 [4][4][64], 4 KB; only bj < w is written and read), by the 128 threads of a
+// warpgroup: 384 entries, three a thread. The same expression as intra_attention_matrices forms
+// per k-step (safe gates: the references are r_block), so the products are bitwise the same; each
+// pair is formed once instead of by the 8 threads of a warp that share it, in every k-step.
+__device__ __forceinline__ void block_scale_pairs(const StageStorage& st, uint32_t* scale_pairs, int tid) {
+#pragma unroll
+  for (int x = tid; x < 6 * 64; x += 128) {
+    const int combo = x >> 6, cp = x & 63, c = 2 * cp;
+    // combo 0..5 -> (w, bj) = (1,0) (2,0) (2,1) (3,0) (3,1) (3,2)
+    const int w = combo == 0 ? 1 : combo < 3 ? 2 : 3;
+    const int bj = combo == 0 ? 0 : combo < 3 ? combo - 1 : combo - 3;
+    const float s0 = fast_exp2(st.r_block[w][c] - st.r_block[bj][c]);
+    const float s1 = fast_exp2(st.r_block[w][c + 1] - st.r_block[bj][c + 1]);
+    scale_pairs[(w * kNumSubBlocks + bj) * 64 + cp] = float2_to_bf16x2(s0, s1);
+  }
+}
+
 // Step 4: A_qk and A_kk accumulators, [bj][8] each (m64n16 fragments).
 // kGeneral: the row block's reference comes from a_ref (r_w, or r_{w-1} for a wide feature, whose
 // factor for an earlier block bj is then exp2(r_{w-1} - r_bj) <= 1 and whose diagonal-block
@@ -587,11 +605,18 @@ __device__ __forceinline__ void intra_prepare_operands(const KdaPrefillParams& p
 // kOneOperand (the pair form, pair_intra_math.cuh): one product only, of `one_operand` (the stage's
 // q slot for A_qk or its k slot for A_kk, chosen at run time so that both CTAs of a cluster run
 // this same code) into `aqk`; `akk` stays zero.
-template <bool kGeneral = false, bool kHalf = false, bool kOneOperand = false>
+// kScaleTable (safe gates: the references are r_block; the pair form): the scale pairs come from
+// `scale_pairs` (block_scale_pairs above: formed once per chunk by the whole warpgroup) instead of
+// each thread forming its own with exp2 in every k-step: B1 T1024 H64 -3..-5 %, 8-16 tiles -7 %
+// (docs/perf-notes.md, "Where it stands (sixteenth session)"). The fused kernels keep the
+// per-thread form: with the table their rows measured +0.5..+1 % (their intra-chunk warpgroup
+// forms both products, so its k-step waits on more WGMMAs than on the exp2s).
+template <bool kGeneral = false, bool kHalf = false, bool kOneOperand = false, bool kScaleTable = false>
 __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st, const float (*a_ref)[kHeadDim],
                                                          int warp, int lane, float (&aqk)[kNumSubBlocks][8],
                                                          float (&akk)[kNumSubBlocks][8],
-                                                         const uint8_t* one_operand = nullptr) {
+                                                         const uint8_t* one_operand = nullptr,
+                                                         const uint32_t* scale_pairs = nullptr) {
   constexpr bool kWantQ = true, kWantK = !kOneOperand;
   const uint32_t q_base = smem_u32(kOneOperand ? one_operand : st.q), k_base = smem_u32(st.k),
                  kt_base = smem_u32(st.g);
@@ -617,6 +642,18 @@ __device__ __forceinline__ void intra_attention_matrices(const StageStorage& st,
     const uint32_t lm_off = (ks >> 2) * kBoxBytes + sw128_chunk_offset(lm_row, (ks & 3) * 2 + lm_hi);
     if constexpr (kWantQ) ldmatrix_x4(q_base + lm_off, qf);
     if constexpr (kWantK) ldmatrix_x4(k_base + lm_off, kf);
+    if constexpr (kScaleTable) {
+      static_assert(!kGeneral && !kHalf, "the scale table holds bf16 pairs of the block-end references");
+      // Feature pairs (c0, c0 + 1) = ks * 8 + t4 and (c0 + 8, c0 + 9) = that + 4, c0 = 16 ks + 2 t4.
+      const uint32_t* row = scale_pairs + warp * kNumSubBlocks * 64 + ks * 8 + t4;
+#pragma unroll
+      for (int bj = 0; bj < kNumSubBlocks; ++bj) {
+        const uint32_t fixed = bj == warp ? 0x3f803f80u : 0u;  // bf16x2 (1, 1) on the diagonal, 0 above it
+        sc_lo[bj] = bj < warp ? row[bj * 64] : fixed;
+        sc_hi[bj] = bj < warp ? row[bj * 64 + 4] : fixed;
+      }
+      return;
+    }
     // Features of this thread's fragment: c0, c0+1 (regs 0, 1) and c0+8, c0+9 (regs 2, 3).
     const int c0 = ks * 16 + 2 * t4;
     const float rw0 = ref[warp][c0], rw1 = ref[warp][c0 + 1];

@@ -51,10 +51,15 @@ __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStora
   constexpr bool kAqkHalf = aqk_is_half(true, kL2Norm, false);
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
+  // The A products' scale pairs once per chunk (block_scale_pairs), in the inverse's operand tile:
+  // free until the inverse (rank 0) below.
+  uint32_t* const scale_pairs = reinterpret_cast<uint32_t*>(ws.inverse_operand);
+  block_scale_pairs(st, scale_pairs, tid);
+  named_barrier_sync(ws.bar, 128);
   // A_kk (rank 0: KE against KT) or A_qk (rank 1: QE against KT), in `a`.
   float a[kNumSubBlocks][8], unused[kNumSubBlocks][8];
-  intra_attention_matrices<false, false, /*kOneOperand=*/true>(st, ws.a_ref, warp, lane, a, unused,
-                                                               rank == 0 ? st.k : st.q);
+  intra_attention_matrices<false, false, /*kOneOperand=*/true, /*kScaleTable=*/true>(
+      st, ws.a_ref, warp, lane, a, unused, rank == 0 ? st.k : st.q, scale_pairs);
   timer.mark(2);
   if (rank == 0) {
     float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
