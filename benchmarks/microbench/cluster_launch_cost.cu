@@ -8,8 +8,8 @@
 //   static    a kernel compiled with __cluster_dims__(2, 1, 1), launched with <<<>>>
 //   plain     no cluster, <<<>>> (the fused kernel's launch)
 //
-// For each: the host time of one launch call (median of 2000, the GPU busy enough that the queue never
-// fills: each launch is timed alone after a synchronisation, so this is the API call's own time), and
+// For each: the host time of one launch call (median of 2000; each launch is timed alone, after a
+// synchronisation, so this is the API call's own time), and
 // the time from a start event to the end of the empty kernel on an idle GPU (CUDA events, median of 2000),
 // which holds the API call and the launch latency.
 //
@@ -24,14 +24,7 @@
 
 #include "shared_storage.cuh"  // kSharedBytes: the fused kernel's dynamic shared memory
 
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::printf("%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                        \
-    }                                                                                  \
-  } while (0)
+#include "cuda_check.h"  // CHECK
 
 struct Params {
   int* out;

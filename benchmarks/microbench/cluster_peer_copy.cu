@@ -22,14 +22,7 @@
 
 #include "shared_storage.cuh"  // kSharedBytes: the fused kernel's dynamic shared memory
 
-#define CHECK(x)                                                                       \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) {                                                           \
-      std::printf("%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                        \
-    }                                                                                  \
-  } while (0)
+#include "cuda_check.h"  // CHECK
 
 constexpr int kThreads = 512;
 constexpr int kCopyBytes = 8192;  // one 64 x 64 bf16 tile
