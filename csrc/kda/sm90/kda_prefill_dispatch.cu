@@ -592,8 +592,25 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
   if ((err = sm_count_of(device, &sm_count)) != cudaSuccess) return err;
 
   const Plan plan = plan_call(p, sm_count);
-  if (plan.pair)
+  if (plan.pair) {
+#ifdef CULA_KDA_TIMELINE
+    // One record per (CTA, kind, chunk), unwritten ones zero (timeline.cuh: pair_timeline_mark).
+    static unsigned long long pair_records = 0;
+    pair_records = std::min<unsigned long long>(
+        sm90::kTimelineCapacity, 2ull * num_tiles * sm90::kPairTimelineKinds * sm90::kPairTimelineChunks);
+    kp.coop.timeline = timeline_buffer(stream);
+    if (kp.coop.timeline != nullptr) {
+      cudaMemsetAsync(static_cast<uint8_t*>(kp.coop.timeline) + 16, 0, pair_records * sizeof(sm90::TimelineRecord), stream);
+      cudaMemcpyAsync(kp.coop.timeline, &pair_records, sizeof(pair_records), cudaMemcpyHostToDevice, stream);
+    }
+    struct WriteAfter {
+      void* buf;
+      cudaStream_t stream;
+      ~WriteAfter() { timeline_write(buf, stream); }
+    } write_after{kp.coop.timeline, stream};
+#endif
     return launch_for_gate<false, sm90::KernelPass::kFusedPair, sm90::Decays::kSafe>(p, kp, int(2 * num_tiles), stream);
+  }
   if (plan.cooperative) {
     const size_t needed = plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes;
     void* workspace = p.workspace;

@@ -104,6 +104,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     // waits on published chunks always end (chunk_workspace.cuh: progress).
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   }
+  if constexpr (kPass == KernelPass::kFusedPair) {
+    if (threadIdx.x == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairCtaStart, 0);
+  }
   const bool helper = kHelpers || (kCoop && coop_role.helper);
   // Prep ahead (chunk_prep.cuh): in the fused kernels the state warpgroups run steps 1-3 of the
   // next chunk (general gates: with the exact wide-pair terms), across tile boundaries too.
@@ -191,6 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_prefill_sm90_kernel(const __g
     // Neither CTA leaves while the other may still copy into or arrive on its shared memory.
     __syncwarp();
     cluster_barrier_sync();
+    if (threadIdx.x == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairCtaEnd, 0);
     return;
   }
   if constexpr (kHelpers) {

@@ -32,6 +32,7 @@
 #include "shared_storage.cuh"
 #include "sm90_primitives.cuh"
 #include "tile_scheduler.cuh"
+#include "timeline.cuh"
 
 namespace cula::kda::sm90 {
 
@@ -128,8 +129,9 @@ __device__ __forceinline__ void run_pair_intra(const KdaKernelParams& kp, Shared
   timer.start();
   TileCursor cursor;
   uint32_t m_tile_phase = 1u;  // chunk n waits for the arrivals of chunk n - 1 (the first passes)
+  [[maybe_unused]] int n = 0;  // the CTA's chunk count (timeline builds)
   for (WorkTile tile; next_tile<false, /*kIsProducer=*/false, false, /*kPair=*/true>(kp, smem, cursor, tile);) {
-    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
+    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance(), ++n) {
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.prepped_bar[pipe.stage], pipe.phase);
       timer.mark(0);
@@ -142,6 +144,7 @@ __device__ __forceinline__ void run_pair_intra(const KdaKernelParams& kp, Shared
       } else {
         cutlass::arch::ClusterBarrier::arrive(&smem.ready_bar[pipe.stage]);
       }
+      if (tid == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairIntraDone, n);
       timer.mark(6);
     }
   }
@@ -162,18 +165,21 @@ __device__ __forceinline__ void run_pair_prep(const KdaKernelParams& kp, SharedS
   timer.start();
   GateConstants gc(p, 1.f, make_float2(0.f, 0.f));
   TileCursor cursor;
+  [[maybe_unused]] int n = 0;  // the CTA's chunk count (timeline builds)
   for (WorkTile tile; next_tile<false, /*kIsProducer=*/false, false, /*kPair=*/true>(kp, smem, cursor, tile);) {
     float gate_scale;
     float2 gate_bias;
     gate_parameters<kGateInKernel>(p, tile.v_head, tid, gate_scale, gate_bias);
     gc = GateConstants(p, gate_scale, gate_bias);
-    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance()) {
+    for (int c = 0; c < tile.num_chunks(); ++c, pipe.advance(), ++n) {
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterTransactionBarrier::wait(&smem.full_bar[pipe.stage], pipe.phase);
+      if (tid == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairLoaded, n);
       timer.mark(0);
       prep_chunk_ahead<kGateInKernel, kL2Norm, Decays::kSafe, kWarpgroupThreads>(st, smem.state_bf16[0],
                                                                                   tile.chunk_rows(c), gc, tid, timer);
       cutlass::arch::ClusterBarrier::arrive(&smem.prepped_bar[pipe.stage]);
+      if (tid == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairPrepped, n);
       if (rank == 0) {
         named_barrier_sync(NamedBarrierId::kStatePrep, kWarpgroupThreads);  // every thread is done with the scratch
         if (tid == 0) mbarrier_arrive_cluster(cluster_smem_addr(smem_u32(&smem.peer_prepped_bar[pipe.stage]), 1));

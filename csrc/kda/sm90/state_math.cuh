@@ -24,6 +24,7 @@
 #include "chunk_prep.cuh"
 #include "store_epilogue.cuh"
 #include "tile_scheduler.cuh"
+#include "timeline.cuh"
 
 namespace cula::kda::sm90 {
 
@@ -189,6 +190,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       if constexpr (kPrepAhead) timer.mark(6);
       StageStorage& st = smem.stage[pipe.stage];
       cutlass::arch::ClusterBarrier::wait(&smem.ready_bar[pipe.stage], pipe.phase);
+      if (kPair && tid == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairReady, c);
       timer.mark(0);
       // kPair, rank 0: rank 1's copy of A_qk has landed, so it has read its source (rank 1's stage
       // reload waits for this too: its `empty` counts one more arrive).
@@ -448,8 +450,10 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       // tile), so the producer's reload of this stage (with prep ahead: on this warpgroup's path,
       // chunk_prep.cuh) runs while the output is stored.
       cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
+      if (kPair && tid == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairReleased, c);
       // (f) o -> global (the S tile is free again and serves as staging).
       store_output_tile(p, tile, c, O, s_tile, half, tid, bar);
+      if (kPair && tid == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairStored, c);
       // kStageSAhead: (a) for the next chunk of this tile now, while the producer reloads the
       // stage just released: the next iteration's prep waits for that load first (~1.5k cycles a
       // chunk at B2, docs/perf-notes.md), and this takes (a) off the stretch after `ready`.

@@ -1,6 +1,7 @@
-// Optional event timeline of the cooperative mode (build with -DCULA_KDA_TIMELINE; no-ops
-// otherwise): which helper chain claimed, finished and published each chunk when, and when each
-// owner saw it and was through with it, in %globaltimer nanoseconds. The host side
+// Optional event timeline of the cooperative mode and of the pair form (build with
+// -DCULA_KDA_TIMELINE; no-ops otherwise): which helper chain claimed, finished and published each
+// chunk when, and when each owner saw it and was through with it; in the pair form, when each
+// role of each CTA was through with each chunk (pair_timeline_mark); in %globaltimer nanoseconds. The host side
 // (kda_prefill_dispatch.cu) allocates the buffer, passes it in CooperativePlan::timeline and, with
 // CULA_KDA_TIMELINE_FILE set, writes the last launch's events there as text
 // (`scripts/coop_timeline.py` reads them). A chunk is named by (value head, workspace slot), the
@@ -24,7 +25,18 @@ enum class TimelineEvent : uint32_t {
   kOwnerChunkDone = 8,   // the owner's state warpgroup is through with the chunk (extra: half)
   kHelperCtaEnd = 9,
   kOwnerCtaEnd = 10,
+  // The pair form (pair_intra_math.cuh), one record per CTA, kind and chunk (the CTA's chunk count):
+  kPairCtaStart = 11,   // the CTA begins (thread 0, first instruction)
+  kPairLoaded = 12,     // its prep warpgroup's wait for `full` ended
+  kPairPrepped = 13,    // its prep warpgroup arrived on `prepped`
+  kPairIntraDone = 14,  // its intra-chunk warpgroup arrived on `ready`
+  kPairReady = 15,      // its state warpgroup's wait for `ready` ended
+  kPairReleased = 16,   // its state warpgroup released the stage (after the state update)
+  kPairStored = 17,     // ... and stored the chunk's output
+  kPairCtaEnd = 18,     // the CTA leaves (after the final cluster barrier)
 };
+constexpr int kPairTimelineKinds = 8;
+constexpr int kPairTimelineChunks = 128;  // marks of later chunks are dropped
 
 constexpr uint32_t kTimelineCapacity = 1u << 20;  // records
 
@@ -54,6 +66,27 @@ __device__ __forceinline__ void timeline_mark(void* buf, TimelineEvent event, in
   rec->slot = int32_t(slot);
 #else
   (void)buf, (void)event, (void)v_head, (void)slot, (void)extra;
+#endif
+}
+
+// The pair form's marks: no atomic (a thread on the critical path must not wait for one), each
+// (CTA, kind, chunk) has its own record: [count = grid * kinds * chunks (set by the host), pad,
+// records...], unwritten records zero.
+__device__ __forceinline__ void pair_timeline_mark(void* buf, TimelineEvent event, int chunk) {
+#ifdef CULA_KDA_TIMELINE
+  if (buf == nullptr || chunk < 0 || chunk >= kPairTimelineChunks) return;
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  const uint32_t kind = uint32_t(event) - uint32_t(TimelineEvent::kPairCtaStart);
+  TimelineRecord* rec = reinterpret_cast<TimelineRecord*>(static_cast<unsigned long long*>(buf) + 2) +
+                        (size_t(blockIdx.x) * kPairTimelineKinds + kind) * kPairTimelineChunks + chunk;
+  rec->ns = ns;
+  rec->event = uint32_t(event);
+  rec->cta = blockIdx.x;
+  rec->v_head = -1;
+  rec->slot = chunk;
+#else
+  (void)buf, (void)event, (void)chunk;
 #endif
 }
 
