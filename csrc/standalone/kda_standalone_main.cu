@@ -3,6 +3,7 @@
 // beta); checks that every output element is written and finite and that two runs are
 // bit-identical, then times the kernel with CUDA events.
 //   usage: kda_standalone [B T H HV [iters]]
+// CULA_STANDALONE_SEED=n: fixed inputs and a checksum of the outputs (builds compared bit for bit).
 // CULA_STANDALONE_GATE=softplus: Kimi-Linear's softplus gate on the general-gate path instead,
 // drawn as the benchmark draws it (A_log ~ N(0, 1), g ~ 2 N(0, 1)), no lower bound.
 #include <cuda_bf16.h>
@@ -60,7 +61,10 @@ int main(int argc, char** argv) {
   const char* gate_env = std::getenv("CULA_STANDALONE_GATE");
   const bool softplus = gate_env != nullptr && std::strcmp(gate_env, "softplus") == 0;
   const size_t nqk = size_t(B) * T * H * D, nv = size_t(B) * T * HV * D, nb = size_t(B) * T * HV;
-  std::mt19937_64 rng(std::random_device{}());
+  // CULA_STANDALONE_SEED=n: the same inputs in every run (and a checksum of the outputs printed),
+  // so that two builds of the kernels can be compared bit for bit.
+  const char* seed_env = std::getenv("CULA_STANDALONE_SEED");
+  std::mt19937_64 rng(seed_env != nullptr ? std::strtoull(seed_env, nullptr, 10) : std::random_device{}());
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> beta(nb), dt(HV * D), alog(HV);
   for (auto& x : beta) x = 1.f / (1.f + std::exp(-normal(rng)));
@@ -117,6 +121,17 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaEventElapsedTime(&ms[i], a, b));
   }
   std::sort(ms.begin(), ms.end());
+  if (seed_env != nullptr) {  // FNV-1a over o's bits and the final state's
+    std::vector<float> state(size_t(B) * HV * D * D);
+    CHECK_CUDA(cudaMemcpy(state.data(), dstate, state.size() * 4, cudaMemcpyDeviceToHost));
+    const auto fnv = [](const void* data, size_t bytes) {
+      uint64_t h = 0xcbf29ce484222325ull;
+      for (size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const uint8_t*>(data)[i]) * 0x100000001b3ull;
+      return h;
+    };
+    std::printf("checksum (seed %s): o %016llx final state %016llx\n", seed_env,
+                (unsigned long long)fnv(out1.data(), nv * 2), (unsigned long long)fnv(state.data(), state.size() * 4));
+  }
   std::printf("%sB=%d T=%d H=%d HV=%d: non-finite or unwritten outputs %zu, deterministic %s, median %.3f ms\n",
               softplus ? "softplus gate: " : "", B, T,
               H, HV, bad, same ? "yes" : "NO", ms[iters / 2]);
