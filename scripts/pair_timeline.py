@@ -4,6 +4,10 @@
     CULA_KDA_COOPERATIVE=0 CULA_KDA_PAIR=1 CULA_KDA_TIMELINE_FILE=/tmp/tl.txt kda_standalone 1 1024 64 64 3
     python3 scripts/pair_timeline.py /tmp/tl.txt [--chunks 20]
 
+Every mark reads %globaltimer, which perturbs the kernel (B1 T1024 H64: 0.150 ms against 0.124 in
+one run); a build with -DCULA_KDA_TIMELINE_ENDS_ONLY as well keeps the CTAs' starts and ends only
+(with the SM of each CTA), and this prints those alone.
+
 Times in microseconds from the launch's first CTA start. Per chunk (the CTA's chunk count) and
 cluster rank, the median over the CTAs of when each role was through with it: the prep's wait for
 the load (`loaded`), the prep (`prepped`), the intra-chunk chain (`intra`), the state warpgroup's
@@ -21,16 +25,17 @@ KINDS = {11: "start", 12: "loaded", 13: "prepped", 14: "intra", 15: "ready", 16:
 PER_CHUNK = ["loaded", "prepped", "intra", "ready", "released", "stored"]
 
 
-def load(path: str) -> dict[tuple[str, int, int], int]:
-    """(kind, cta, chunk) -> ns, for the written records."""
-    out = {}
+def load(path: str) -> tuple[dict[tuple[str, int, int], int], dict[int, int]]:
+    """(kind, cta, chunk) -> ns for the written records, and cta -> SM."""
+    out, sm = {}, {}
     with open(path) as f:
         for line in f:
-            ns, ev, _extra, cta, _vh, slot = (int(x) for x in line.split())
+            ns, ev, _extra, cta, smid, slot = (int(x) for x in line.split())
             if ns == 0 or ev not in KINDS:
                 continue
             out[(KINDS[ev], cta, slot)] = ns
-    return out
+            sm[cta] = smid
+    return out, sm
 
 
 def med(xs: list[float]) -> str:
@@ -42,19 +47,27 @@ def main() -> None:
     ap.add_argument("file")
     ap.add_argument("--chunks", type=int, default=20, help="chunks to list (the first ones)")
     args = ap.parse_args()
-    rec = load(args.file)
+    rec, sm = load(args.file)
     if not rec:
         raise SystemExit("no pair-form records (a timeline build, the pair form, CULA_KDA_TIMELINE_FILE set?)")
     t0 = min(ns for (k, _, _), ns in rec.items() if k == "start")
     us = lambda ns: (ns - t0) / 1000.0  # noqa: E731
     ctas = sorted({cta for (_, cta, _) in rec})
-    n_chunks = 1 + max(c for (k, _, c) in rec if k == "released")
-
     starts = [us(rec[("start", c, 0)]) for c in ctas if ("start", c, 0) in rec]
     ends = [us(rec[("end", c, 0)]) for c in ctas if ("end", c, 0) in rec]
-    print(f"{len(ctas)} CTAs, {n_chunks} chunks each (marks kept for {min(n_chunks, 128)})")
+    print(f"{len(ctas)} CTAs")
     print(f"CTA start: min {min(starts):.2f} med {statistics.median(starts):.2f} max {max(starts):.2f} us")
     print(f"CTA end:   min {min(ends):.2f} med {statistics.median(ends):.2f} max {max(ends):.2f} us")
+    # Where the slow clusters ran: the clusters by end time, with their CTAs' SMs.
+    by_end = sorted((us(rec[("end", c, 0)]), c) for c in ctas if c % 2 == 0 and ("end", c, 0) in rec)
+    fmt = lambda e, c: f"{c // 2}@SM{sm.get(c)}/{sm.get(c + 1)}:{e:.1f}"  # noqa: E731
+    print("fastest clusters (cluster@SMs:end us): " + " ".join(fmt(e, c) for e, c in by_end[:8]))
+    print("slowest clusters (cluster@SMs:end us): " + " ".join(fmt(e, c) for e, c in by_end[-8:]))
+    released = [c for (k, _, c) in rec if k == "released"]
+    if not released:  # a -DCULA_KDA_TIMELINE_ENDS_ONLY build: starts and ends only
+        return
+    n_chunks = 1 + max(released)
+    print(f"{n_chunks} chunks each (marks kept for {min(n_chunks, 128)})")
 
     print("\nmedian over CTAs, us from the first start (rank 0 | rank 1)")
     print("chunk " + " ".join(f"{k:>17}" for k in PER_CHUNK) + "   period")
