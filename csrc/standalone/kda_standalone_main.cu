@@ -58,6 +58,21 @@ int main(int argc, char** argv) {
   const int H = argc > 4 ? std::atoi(argv[3]) : 64, HV = argc > 4 ? std::atoi(argv[4]) : 64;
   const int iters = argc > 5 ? std::atoi(argv[5]) : 20;
   const int D = 128;
+  // The C API takes each call's cooperative workspace from the device's default memory pool
+  // (cudaMallocAsync / cudaFreeAsync on the call's stream). With the pool's default release
+  // threshold (0) every synchronisation hands its memory back, so each timed call mapped its
+  // workspace anew: on an H100 of 2026-11-27 B1 T8192 H64 (cooperative) timed 1.29-1.63 ms so
+  // and 0.71-0.73 ms with the memory kept, B1 T32768 H8 0.99-1.06 / 0.67 (the kernels' own CTAs
+  // ended on time). Keep the pool's memory, as torch's caching allocator does on the extension's
+  // path.
+  {
+    int device = 0;
+    cudaMemPool_t pool;
+    CHECK_CUDA(cudaGetDevice(&device));
+    CHECK_CUDA(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t keep = UINT64_MAX;
+    CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  }
   const char* gate_env = std::getenv("CULA_STANDALONE_GATE");
   const bool softplus = gate_env != nullptr && std::strcmp(gate_env, "softplus") == 0;
   const size_t nqk = size_t(B) * T * H * D, nv = size_t(B) * T * HV * D, nb = size_t(B) * T * HV;
