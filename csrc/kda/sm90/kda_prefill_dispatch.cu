@@ -484,11 +484,16 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
 // Timeline builds (timeline.cuh): one event buffer per process, zeroed before each cooperative
 // launch; with CULA_KDA_TIMELINE_FILE set, the launch is waited for and its events written there
 // as text lines `ns event extra cta v_head slot` (overwritten by each launch: the file holds the last).
-void* timeline_buffer(cudaStream_t stream) {
+// fixed_records > 0 (the pair form: one record per CTA, kind and chunk, timeline.cuh:
+// pair_timeline_mark): those records are zeroed and the count set to their number instead.
+void* timeline_buffer(cudaStream_t stream, unsigned long long fixed_records = 0) {
   static void* buf = nullptr;
+  static unsigned long long count = 0;  // the source of the count's copy (outlives the call)
   const size_t bytes = 16 + size_t(sm90::kTimelineCapacity) * sizeof(sm90::TimelineRecord);
   if (buf == nullptr && cudaMalloc(&buf, bytes) != cudaSuccess) return nullptr;
-  cudaMemsetAsync(buf, 0, 16, stream);
+  count = std::min<unsigned long long>(fixed_records, sm90::kTimelineCapacity);
+  if (count > 0) cudaMemsetAsync(static_cast<uint8_t*>(buf) + 16, 0, count * sizeof(sm90::TimelineRecord), stream);
+  cudaMemcpyAsync(buf, &count, sizeof(count), cudaMemcpyHostToDevice, stream);
   return buf;
 }
 void timeline_write(void* buf, cudaStream_t stream) {
@@ -506,6 +511,12 @@ void timeline_write(void* buf, cudaStream_t stream) {
     std::fclose(f);
   }
 }
+// Writes the launch's events when it goes out of scope (after the launch below it).
+struct TimelineWriteAfter {
+  void* buf;
+  cudaStream_t stream;
+  ~TimelineWriteAfter() { timeline_write(buf, stream); }
+};
 #endif
 }  // namespace
 
@@ -594,20 +605,8 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
   const Plan plan = plan_call(p, sm_count);
   if (plan.pair) {
 #ifdef CULA_KDA_TIMELINE
-    // One record per (CTA, kind, chunk), unwritten ones zero (timeline.cuh: pair_timeline_mark).
-    static unsigned long long pair_records = 0;
-    pair_records = std::min<unsigned long long>(
-        sm90::kTimelineCapacity, 2ull * num_tiles * sm90::kPairTimelineKinds * sm90::kPairTimelineChunks);
-    kp.coop.timeline = timeline_buffer(stream);
-    if (kp.coop.timeline != nullptr) {
-      cudaMemsetAsync(static_cast<uint8_t*>(kp.coop.timeline) + 16, 0, pair_records * sizeof(sm90::TimelineRecord), stream);
-      cudaMemcpyAsync(kp.coop.timeline, &pair_records, sizeof(pair_records), cudaMemcpyHostToDevice, stream);
-    }
-    struct WriteAfter {
-      void* buf;
-      cudaStream_t stream;
-      ~WriteAfter() { timeline_write(buf, stream); }
-    } write_after{kp.coop.timeline, stream};
+    kp.coop.timeline = timeline_buffer(stream, 2ull * num_tiles * sm90::kPairTimelineKinds * sm90::kPairTimelineChunks);
+    const TimelineWriteAfter write_after{kp.coop.timeline, stream};
 #endif
     return launch_for_gate<false, sm90::KernelPass::kFusedPair, sm90::Decays::kSafe>(p, kp, int(2 * num_tiles), stream);
   }
@@ -632,11 +631,7 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
     kp.problem.workspace = static_cast<uint8_t*>(workspace) + plan.sync_bytes + plan.matrix_bytes;  // the stages
 #ifdef CULA_KDA_TIMELINE
     kp.coop.timeline = timeline_buffer(stream);
-    struct WriteAfter {
-      void* buf;
-      cudaStream_t stream;
-      ~WriteAfter() { timeline_write(buf, stream); }
-    } write_after{kp.coop.timeline, stream};
+    const TimelineWriteAfter write_after{kp.coop.timeline, stream};
 #endif
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if ((err = cudaStreamIsCapturing(stream, &capture)) != cudaSuccess) return err;

@@ -25,7 +25,9 @@ enum class TimelineEvent : uint32_t {
   kOwnerChunkDone = 8,   // the owner's state warpgroup is through with the chunk (extra: half)
   kHelperCtaEnd = 9,
   kOwnerCtaEnd = 10,
-  // The pair form (pair_intra_math.cuh), one record per CTA, kind and chunk (the CTA's chunk count):
+  // The pair form (pair_intra_math.cuh), one record per CTA, kind and chunk (the CTA's chunk count;
+  // its launch has one cluster per tile, so that is the tile's chunk index, which the state
+  // warpgroup marks):
   kPairCtaStart = 11,   // the CTA begins (thread 0, first instruction)
   kPairLoaded = 12,     // its prep warpgroup's wait for `full` ended
   kPairPrepped = 13,    // its prep warpgroup arrived on `prepped`
