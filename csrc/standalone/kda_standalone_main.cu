@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   // The C API takes each call's cooperative workspace from the device's default memory pool
   // (cudaMallocAsync / cudaFreeAsync on the call's stream). With the pool's default release
   // threshold (0) every synchronisation hands its memory back, so each timed call mapped its
-  // workspace anew: on an H100 of 2026-11-27 B1 T8192 H64 (cooperative) timed 1.29-1.63 ms so
+  // workspace anew: on an H100 of 2026-11-27 B1 T8192 H64 (cooperative) timed 1.29-1.63 ms that way
   // and 0.71-0.73 ms with the memory kept, B1 T32768 H8 0.99-1.06 / 0.67 (the kernels' own CTAs
   // ended on time). Keep the pool's memory, as torch's caching allocator does on the extension's
   // path.
