@@ -457,8 +457,15 @@ __device__ __forceinline__ void row_statistics(StageStorage& st, float* rnorm, f
     row_stats[(1 * kParts + part) * kChunk + r] = kk;
     row_stats[(2 * kParts + part) * kChunk + r] = qk;
   };
-  sum_part(tid >> 6);
-  if constexpr (kPartsPerThread == 2) sum_part((tid >> 6) + kThreads / kChunk);
+  if constexpr (kPartsPerThread == 2) {
+    // Two parts per thread (the pair form's prep): one copy of the part's code, in a loop. That
+    // form's hot code runs past what an SM's instruction cache holds once most SMs fetch it
+    // (docs/perf-notes.md, "Where it stands (eighteenth session)"): less of it is faster.
+#pragma unroll 1
+    for (int x = 0; x < 2; ++x) sum_part((tid >> 6) + x * (kThreads / kChunk));
+  } else {
+    sum_part(tid >> 6);
+  }
   named_barrier_sync(bar, kThreads);
   if (tid < kChunk) {
     const auto sum = [&](int stat) {
@@ -805,11 +812,14 @@ __device__ __forceinline__ void mask_akk_pair(float* diag, float (&a_off)[8 * (k
 // then carry one bf16 rounding of beta_j into everything row j contributes; U takes it
 // differently (step 8). (Fused kernels: KG is the state warpgroups' operand of X = KG S, same
 // rounding.)
-template <bool kGeneral, bool kHalf, bool kFoldDecay, bool kAqkHalf>
+// kRolled (the pair form): the two blocks in a loop, one copy of the block's code (instruction
+// fetch, as in row_statistics).
+template <bool kGeneral, bool kHalf, bool kFoldDecay, bool kAqkHalf, bool kRolled = false>
 __device__ __forceinline__ void form_qg_kg(StageStorage& st, const float (*a_ref)[kHeadDim], int tid) {
   const int h = tid >> 6, cp = tid & 63;
   const PairColumn addr(cp);
-#pragma unroll
+  constexpr int kBlockUnroll = kRolled ? 1 : 2;
+#pragma unroll kBlockUnroll
   for (int bb = 0; bb < 2; ++bb) {
     const int b = 2 * h + bb, row0 = kSubBlock * b;
     // exp2 of the block's reference: r_b, or r_{b-1} for a wide feature (general gates).

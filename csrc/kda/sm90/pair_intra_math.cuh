@@ -113,7 +113,7 @@ __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStora
     timer.mark(1);
   }
   // Step 6 last: rank 1's chain waits for M, rank 0's for everything.
-  form_qg_kg<false, false, false, false>(st, ws.a_ref, tid);
+  form_qg_kg<false, false, false, false, /*kRolled=*/true>(st, ws.a_ref, tid);
   timer.mark(4);
 }
 
