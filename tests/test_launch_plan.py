@@ -148,14 +148,14 @@ def test_tiles_per_owner_up_to_the_sm_count():
     assert launch(2, 1024, 32) == "pair"
     assert launch(1, 1024, 72) == "index"
     assert launch(1, 2048, 70) == "index"
-    assert launch(1, 1536, 64) == "cooperative-two-kernels-2-tiles-per-owner"
-    assert launch(1, 2048, 56) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 1536, 64) == "pair"  # short tiles from 48 tiles: pair_beats_cooperative
+    assert launch(1, 2048, 56) == "pair"
     assert launch(1, 4096, 72) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 74) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(2, 8192, 37) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 16384, 75) == "index"
-    assert launch(1, 2048, 64) == "cooperative-two-kernels-2-tiles-per-owner"
-    assert launch(1, 2048, 58) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 2048, 64) == "pair"
+    assert launch(1, 2048, 58) == "pair"
     assert launch(1, 8192, 68) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 71) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 16384, 70) == "cooperative-two-kernels-2-tiles-per-owner"
@@ -192,9 +192,23 @@ def test_tiles_per_owner_up_to_the_sm_count():
 
 
 def test_pair_form(monkeypatch):
-    """The pair form where 2 x tiles <= SMs with safe gates, instead of the fused kernel (not of the
-    cooperative mode: measured faster than the pair form on the rows the host gives it, e.g. B1
-    T2048 H64 0.228 vs 0.253 ms eager, B1 T1024 H32 0.094 vs 0.132; docs/perf-notes.md)."""
+    """The pair form where 2 x tiles <= SMs with safe gates, instead of the fused kernel, and instead
+    of the cooperative mode for fixed-length tiles of at most 32 chunks from 48 tiles (0.36 x the
+    SMs) on (eager ms mode / pair at e1a6c7a: B1 T1536 H64 0.196 / 0.165, T2048 H64 0.229 / 0.209,
+    B1 T1024 H48 0.132 / 0.116); the mode elsewhere (B1 T4096 H48 0.353 / 0.389, T8192 H64 0.709 /
+    0.758, B1 T1024 H32 0.097 / 0.116; docs/perf-notes.md)."""
+    assert launch(1, 1024, 48) == "pair"
+    assert launch(1, 2048, 48) == "pair"
+    assert launch(2, 1024, 24) == "pair"  # 48 tiles of 16 chunks
+    assert launch(1, 2048, 47).startswith("cooperative")  # below 0.36 x the SMs
+    assert launch(1, 1024, 32).startswith("cooperative")
+    assert launch(1, 2112, 64).startswith("cooperative")  # 33 chunks a tile
+    assert launch(1, 3072, 64).startswith("cooperative")
+    assert launch(1, 0, 32, lens=[2048, 2048]).startswith("cooperative")  # varlen: the rule's choice
+    assert launch(1, 1024, 42, sms=114) == "pair"  # an H100 PCIe: from 42 tiles
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE", "1")
+    assert launch(1, 2048, 64) == "cooperative-two-kernels-2-tiles-per-owner"
+    monkeypatch.delenv("CULA_KDA_COOPERATIVE")
     assert launch(1, 1024, 66) == "pair"  # 132 CTAs
     assert launch(1, 1024, 67) == "index"  # 134 CTAs: more than the SMs
     assert launch(1, 1024, 57, sms=114) == "pair"  # an H100 PCIe
@@ -202,7 +216,7 @@ def test_pair_form(monkeypatch):
     assert launch(1, 1024, 64, general=True) == "cooperative-two-kernels-2-tiles-per-owner"  # safe gates only
     assert launch(1, 0, 8, lens=[100, 1, 0, 64]) == "pair"  # varlen: 32 tiles, 165 tokens
     # where the host takes the cooperative mode
-    assert launch(1, 2048, 64) == "cooperative-two-kernels-2-tiles-per-owner"
+    assert launch(1, 2048, 64) == "pair"
     assert launch(1, 4096, 64) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 64) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 1024, 32) == "cooperative-two-kernels"

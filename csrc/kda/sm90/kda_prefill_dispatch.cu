@@ -273,16 +273,29 @@ bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, boo
 // fused kernel (one CTA per tile): same-process A/Bs on H100s (docs/perf-notes.md, "Where it
 // stands (71ba941)"), CUDA-graph ms fused / pair: B1 T1024 H64 0.128 / 0.121, T2048 H64 0.241 /
 // 0.225, T8192 H64 0.907 / 0.812, T8192 H8-H32 0.90-0.94 / 0.80-0.83 (bitwise the same results).
-// Not the cooperative mode, where the host chose it: the mode measured faster than the pair form
-// (27896af's variant, within 1.5 % of this one) on the rows it takes that the pair form could run
-// (eager ms mode / pair: B1 T1536 H64 0.192 / 0.201, T2048 H64 0.228 / 0.253, T2048 H56 0.219 /
-// 0.240, T1024 H32 0.094 / 0.132, T1024 H16 0.068 / 0.128). CULA_KDA_PAIR=0 (read per call) runs
-// the fused kernel instead; =1 takes the pair form wherever it can run, also over the cooperative
-// mode.
+// Not the cooperative mode, where the host chose it, except for short fixed-length tiles from 48
+// tiles on (pair_beats_cooperative below): the mode measured faster than the pair form on the
+// other rows it takes that the pair form could run (eager ms mode / pair at e1a6c7a: B1 T4096 H48
+// 0.353 / 0.389, T8192 H64 0.709 / 0.758, T1024 H32 0.097 / 0.116, T2048 H32 0.138 / 0.207).
+// CULA_KDA_PAIR=0 (read per call) runs the fused kernel instead; =1 takes the pair form wherever it
+// can run, also over the cooperative mode.
 bool pair_possible(const KdaPrefillParams& p, int sm_count) {
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
   return !p.general_gates && tokens > 0 && 2 * num_tiles <= sm_count && !env_is("CULA_KDA_PAIR", "0");
+}
+
+// Where the launch rule below picks the cooperative mode and the pair form can run: the pair form
+// instead for fixed-length tiles of at most 32 chunks from 48 tiles (0.36 x the SMs) on. Its time
+// per tile does not depend on the tile count (~5.65 us per chunk + 28 at e1a6c7a), the mode's grows
+// with it. Same process, blocks of calls, eager ms of the rule's cooperative launch / the pair form
+// (H100, e1a6c7a's kernels; docs/perf-notes.md, "Where it stands (e1a6c7a)"): B1 T1536 H64 0.196 /
+// 0.165, T2048 H64 0.229 / 0.209, T3072 H64 0.306 / 0.300, T4096 H64 0.388 / 0.390, T8192 H64
+// 0.709 / 0.758, B1 T1024 H48 0.132 / 0.116, T2048 H48 0.205 / 0.207, T4096 H48 0.353 / 0.389,
+// B1 T1024 H32 0.097 / 0.116, T2048 H32 0.138 / 0.207. Varlen batches keep the rule's choice (the
+// helpers balance unequal tiles; not measured).
+bool pair_beats_cooperative(const KdaPrefillParams& p, int64_t num_tiles, int64_t chunks_per_tile, int sm_count) {
+  return p.cu_seqlens == nullptr && num_tiles * 11 >= int64_t(sm_count) * 4 && chunks_per_tile <= 32;
 }
 
 // can_pair: pair_possible, decided once per call by plan_call.
@@ -307,7 +320,8 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
   const bool coop_by_model =
       num_tiles < sm_count && cooperative_beats_fused(owner_choice.coop_us, chunks_per_tile, p.general_gates);
   bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
-  if (can_pair && env_is("CULA_KDA_PAIR", "1")) coop = false;
+  if (can_pair && (env_is("CULA_KDA_PAIR", "1") || pair_beats_cooperative(p, num_tiles, chunks_per_tile, sm_count)))
+    coop = false;
   if (env_is("CULA_KDA_COOPERATIVE", "0")) coop = false;
   if (env_is("CULA_KDA_COOPERATIVE", "1")) coop = true;
   if (!coop || tokens == 0 || num_tiles >= sm_count) return plan;
