@@ -215,8 +215,8 @@ def test_pair_form(monkeypatch):
     assert launch(1, 1024, 58, sms=114) == "index"
     assert launch(1, 1024, 64, general=True) == "cooperative-two-kernels-2-tiles-per-owner"  # safe gates only
     assert launch(1, 0, 8, lens=[100, 1, 0, 64]) == "pair"  # varlen: 32 tiles, 165 tokens
+    assert launch(1, 2048, 64) == "pair"  # short tiles from 48 tiles: over the cooperative mode
     # where the host takes the cooperative mode
-    assert launch(1, 2048, 64) == "pair"
     assert launch(1, 4096, 64) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 8192, 64) == "cooperative-two-kernels-2-tiles-per-owner"
     assert launch(1, 1024, 32) == "cooperative-two-kernels"

@@ -5,15 +5,18 @@
 // code per SM, mostly without loops, and slows by ~10 % from 8 to 64 tiles (16 to 128 busy SMs)
 // with ncu's no_instruction stall growing; its slowest SMs sit at fixed places of each SM group.
 // This probe isolates that: one CTA per SM (its dynamic shared memory asks for most of the SM),
-// every warp loops over `kBlocks` x 256 independent-chain FFMAs (16 bytes each, no loads, no
-// branches inside the body), the first pass untimed (cold code), then `iters` passes timed with
-// clock64 per warp. With `copies` 4 the four warpgroups run four different copies of the body
-// (as the kernel's roles do: every warp scheduler holds one warp of each), so the SM's hot code is
-// four times the body.
+// every warp loops over a body of `kKB` KB of FFMAs (64 per KB, 16 bytes each; 8 independent
+// chains, or one dependent chain for a quarter of the issue demand; no loads, no branches inside the
+// body), the first pass untimed (cold code), then `iters` passes timed with clock64 per warp. With
+// `copies` 4 the four warpgroups run four different copies of the body (as the kernel's roles do:
+// every warp scheduler holds one warp of each), so the SM's hot code is four times the body. A
+// `mode` other than 0 makes only chosen SMs work (the other CTAs of a full grid return at once):
+// even ids, ids below 66, every fourth id, odd ids.
 //
-// Output per (copies, threads, body KB, grid): cycles per FFMA per warp (median and max over warps,
-// and the median over SMs of each SM's slowest warp). One warp per scheduler issues at most one
-// FFMA a cycle (1.0); four warps per scheduler share it (4.0).
+// Output per (copies, threads, chains, body KB, grid, mode): cycles per FFMA per warp (median and
+// max over warps, and the median over SMs of each SM's slowest warp; with per_sm, each working SM's
+// slowest warp by SM id). One warp per scheduler issues at most one FFMA a cycle (1.0); four warps
+// per scheduler share it (4.0). Results on an H100: docs/perf-notes.md, "Where it stands (e1a6c7a)".
 //
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -o icache_probe \
 //        benchmarks/microbench/icache_probe.cu && ./icache_probe

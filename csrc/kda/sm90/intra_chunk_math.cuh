@@ -458,9 +458,9 @@ __device__ __forceinline__ void row_statistics(StageStorage& st, float* rnorm, f
     row_stats[(2 * kParts + part) * kChunk + r] = qk;
   };
   if constexpr (kPartsPerThread == 2) {
-    // Two parts per thread (the pair form's prep): one copy of the part's code, in a loop. That
-    // form's hot code runs past what an SM's instruction cache holds once most SMs fetch it
-    // (docs/perf-notes.md, "Where it stands (eighteenth session)"): less of it is faster.
+    // Two parts per thread (the pair form's prep): one copy of the part's code, in a loop. With
+    // most SMs fetching, more than ~32-40 KB of hot code per SM halves the instruction supply
+    // (docs/perf-notes.md, "Where it stands (e1a6c7a)"): less of it is faster.
 #pragma unroll 1
     for (int x = 0; x < 2; ++x) sum_part((tid >> 6) + x * (kThreads / kChunk));
   } else {

@@ -273,11 +273,8 @@ bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, boo
 // fused kernel (one CTA per tile): same-process A/Bs on H100s (docs/perf-notes.md, "Where it
 // stands (71ba941)"), CUDA-graph ms fused / pair: B1 T1024 H64 0.128 / 0.121, T2048 H64 0.241 /
 // 0.225, T8192 H64 0.907 / 0.812, T8192 H8-H32 0.90-0.94 / 0.80-0.83 (bitwise the same results).
-// Not the cooperative mode, where the host chose it, except for short fixed-length tiles from 48
-// tiles on (pair_beats_cooperative below): the mode measured faster than the pair form on the
-// other rows it takes that the pair form could run (eager ms mode / pair at e1a6c7a: B1 T4096 H48
-// 0.353 / 0.389, T8192 H64 0.709 / 0.758, T1024 H32 0.097 / 0.116, T2048 H32 0.138 / 0.207).
-// CULA_KDA_PAIR=0 (read per call) runs the fused kernel instead; =1 takes the pair form wherever it
+// Not the cooperative mode, where the host chose it, except where pair_beats_cooperative (below)
+// says so. CULA_KDA_PAIR=0 (read per call) runs the fused kernel instead; =1 takes the pair form wherever it
 // can run, also over the cooperative mode.
 bool pair_possible(const KdaPrefillParams& p, int sm_count) {
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
