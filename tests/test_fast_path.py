@@ -9,7 +9,8 @@ check
   (plain eager mode only, never to a stand-in without it), that a hit is returned as it is and
   sets ``last_backend()``, what a successful sm90 call registers (the 23 arguments as the caller
   passed them, then the resolved scale, lower bound, N, state dtype and decay bound), and that
-  clearing the Python memo clears the extension's;
+  clearing the Python memo clears the extension's; with the compiled extension, its misses and
+  that a failing launch raises RuntimeError;
 * on an SM90 GPU, with the real extension: that the fast path is taken (no rule runs), gives
   bitwise the Python path's results on the same inputs for fixed-length and varlen calls, state
   pools (read and written, read only), caller buffers, bf16 and vk states, beta logits and the
@@ -20,6 +21,7 @@ check
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable
 
@@ -193,6 +195,38 @@ def test_clearing_the_python_memo_clears_the_extension_memo(monkeypatch) -> None
     kda_prefill(**{**kw, "scale": 0.5})
     assert len(cleared) == 2 and len(prefill_mod._VALIDATED) == 1
     prefill_mod._VALIDATED.clear()
+
+
+def _public_args(kw: dict[str, Any]) -> tuple:
+    """The 23 arguments of ``kda_prefill`` for keyword arguments ``kw``, positional, in its order
+    (defaults filled in): what the Python layer passes to ``kda_prefill_fast``."""
+    bound = inspect.signature(kda_prefill).bind(**kw)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
+
+
+@pytest.mark.skipif(not _ext.kernels_available(), reason="needs the compiled extension")
+def test_the_compiled_fast_path_misses_and_raises_as_torch_does() -> None:
+    """The compiled ``kda_prefill_fast`` (a vectorcall function of the 23 arguments, not a pybind
+    one): None for an empty memo, a wrong argument count and a signature not registered; a
+    registered call whose launch fails (here: CPU tensors, which the binding's device guard
+    refuses) raises RuntimeError, as torch's own functions translate C++ errors, and the next call
+    works as before."""
+    ext = _ext.get_ext()
+    prefill_mod._VALIDATED.clear()  # clears the extension's memo too
+    args = _public_args(_sm90_inputs())
+    assert len(args) == 23
+    assert ext.kda_prefill_fast(*args) is None  # nothing registered
+    assert ext.kda_prefill_fast() is None
+    assert ext.kda_prefill_fast_register(*args, D ** -0.5, -4.0, 1, False, True) is True
+    assert ext.kda_prefill_fast(*args[:-1]) is None  # 22 arguments
+    other = _public_args(_sm90_inputs(scale=0.25))
+    assert ext.kda_prefill_fast(*other) is None  # another signature (an option's value)
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            ext.kda_prefill_fast(*args)
+    prefill_mod._VALIDATED.clear()
+    assert ext.kda_prefill_fast(*args) is None
 
 
 # ------------------------------------------------------------------------------------------------
