@@ -24,6 +24,7 @@
 
 #include "shared_storage.cuh"  // kSharedBytes: the fused kernel's dynamic shared memory
 
+#include "cluster_launch.h"  // launch_in_clusters_of_two
 #include "cuda_check.h"  // CHECK
 
 struct Params {
@@ -56,21 +57,7 @@ int main() {
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   const auto launch = [&](int form) -> cudaError_t {
-    if (form == 0) {
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = 2;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(kGrid);
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = smem;
-      cfg.stream = stream;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      return cudaLaunchKernelEx(&cfg, empty_plain, p);
-    }
+    if (form == 0) return launch_in_clusters_of_two(empty_plain, p, kGrid, kThreads, smem, stream);
     if (form == 1) {
       empty_static<<<kGrid, kThreads, smem, stream>>>(p);
     } else {
