@@ -116,7 +116,9 @@ def _run_reference(
         if read:
             h0[read] = pool[[idx[n] for n in read]].to(torch.float32)
     if use_beta_sigmoid_in_kernel:
-        beta = torch.sigmoid(beta.to(torch.float32))
+        # On the dense copy: torch's CPU sigmoid rounds differently on strided and contiguous
+        # tensors (scalar vs vectorised exp), and the docstring's bitwise promise covers beta too.
+        beta = torch.sigmoid(beta.contiguous().to(torch.float32))
 
     want_state = final_state is not None or state_pool is not None
     o_ref, s_ref = kda_recurrent_reference(
