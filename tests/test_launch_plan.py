@@ -271,6 +271,31 @@ def test_variables_force_their_choice(monkeypatch):
     assert launch(1, 32768, 8) == "cooperative-two-kernels-split"
 
 
+def test_variables_by_exact_name_among_others(monkeypatch):
+    """The knobs are read in one pass over the environment per call (LaunchKnobs in the dispatch):
+    a name is matched whole (CULA_KDA_PAIRS is not CULA_KDA_PAIR), each of several set variables
+    applies, a change between calls applies to the next call, and an empty value counts as unset."""
+    monkeypatch.setenv("CULA_KDA_PAIRS", "0")
+    monkeypatch.setenv("CULA_KDA_COOPERATIVE_", "0")
+    monkeypatch.setenv("CULA_KDA", "0")
+    assert launch(1, 1024, 64) == "pair"
+    assert launch(1, 32768, 8) == "cooperative-one-kernel-split"
+    for i in range(40):  # more CULA_KDA_* variables than the pass keeps (it then asks getenv)
+        monkeypatch.setenv(f"CULA_KDA_UNUSED_{i}", "1")
+    monkeypatch.setenv("CULA_KDA_PAIR", "0")
+    assert launch(1, 1024, 64) == "index"
+    for i in range(40):
+        monkeypatch.delenv(f"CULA_KDA_UNUSED_{i}")
+    assert launch(1, 1024, 64) == "index"
+    monkeypatch.setenv("CULA_KDA_HELPER_KERNEL", "1")
+    monkeypatch.setenv("CULA_KDA_VALUE_SPLIT", "1")
+    assert launch(1, 32768, 8) == "cooperative-two-kernels"
+    monkeypatch.setenv("CULA_KDA_VALUE_SPLIT", "")
+    assert launch(1, 32768, 8) == "cooperative-two-kernels-split"
+    monkeypatch.setenv("CULA_KDA_SEGMENTS", "3")
+    assert launch(1, 32768, 8) == "cooperative-two-kernels-3-segments"
+
+
 def test_argument_errors():
     from cula._ext import get_ext
     kw = dict(batch=2, seqlen=64, num_seqs=1, num_qk_heads=4, num_v_heads=4, varlen=False, general_gates=False,

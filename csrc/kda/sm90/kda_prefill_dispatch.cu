@@ -24,6 +24,8 @@
 #include "tensor_map.h"
 #include "timeline.cuh"
 
+extern char** environ;  // POSIX: the process environment (LaunchKnobs reads it in one pass)
+
 namespace cula::kda {
 
 namespace {
@@ -34,16 +36,50 @@ cudaError_t invalid(const char* why) {
   return cudaErrorInvalidValue;
 }
 
-// The launch knobs (CULA_KDA_*, docs/install.md), read per call: whether `name` is set to `value`,
-// and its integer value (0 when unset or empty).
-bool env_is(const char* name, const char* value) {
-  const char* env = std::getenv(name);
-  return env != nullptr && std::strcmp(env, value) == 0;
-}
-int env_int(const char* name) {
-  const char* env = std::getenv(name);
-  return env != nullptr ? std::atoi(env) : 0;
-}
+// The launch knobs (CULA_KDA_*, docs/install.md), read per call: one pass over the environment
+// collects the CULA_KDA_* entries (usually none), and the rules ask those. A getenv per knob scans
+// the whole environment each time, and a cooperative launch asks ~20 knobs: with getenv the
+// dispatch's device-and-plan step took 3.3-3.7 us of a cooperative call's host time on the GPU
+// machine's CPU, against 0.6-0.95 us for the pair form (host stamps); the plan alone (B1 T32768
+// H8), on the CI machine's CPU, 0.50-0.56 -> 0.16-0.26 us with 35 variables in the environment,
+// 1.09-1.26 -> 0.22-0.23 us with 100 (docs/perf-notes.md, twenty-first session). Same values as
+// getenv (the first entry of a name); past kMaxEntries such entries it asks getenv.
+class LaunchKnobs {
+ public:
+  LaunchKnobs() {
+    for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+      if ((*e)[0] != 'C' || std::strncmp(*e, "CULA_KDA_", 9) != 0) continue;  // one byte rejects most
+      if (count_ == kMaxEntries) {
+        overflow_ = true;
+        break;
+      }
+      entries_[count_++] = *e;
+    }
+  }
+  // The value of `name` (a full CULA_KDA_* name), or null when it is not set.
+  const char* get(const char* name) const {
+    if (overflow_) return std::getenv(name);
+    const size_t len = std::strlen(name);
+    for (int i = 0; i < count_; ++i)
+      if (std::strncmp(entries_[i], name, len) == 0 && entries_[i][len] == '=') return entries_[i] + len + 1;
+    return nullptr;
+  }
+  // Whether `name` is set to `value`; its integer value (0 when unset or empty).
+  bool is(const char* name, const char* value) const {
+    const char* v = get(name);
+    return v != nullptr && std::strcmp(v, value) == 0;
+  }
+  int integer(const char* name) const {
+    const char* v = get(name);
+    return v != nullptr ? std::atoi(v) : 0;
+  }
+
+ private:
+  static constexpr int kMaxEntries = 32;
+  const char* entries_[kMaxEntries] = {};
+  int count_ = 0;
+  bool overflow_ = false;
+};
 
 // The longest-first schedule's workspace (sm90::ScheduleWorkspace, 16 KB) for launches on
 // `stream` of the current device: allocated and zeroed the first time, then kept for the life of
@@ -179,7 +215,8 @@ struct Plan {
 // eight of them (e.g. B1 T131072 H2: G = 6 at 1.069 ms against G = 8 at 0.956; B1 T32768 H6: none
 // at 0.679 against G = 3 at 0.572).
 // CULA_KDA_SEGMENTS=G (read per call) forces G (1: none; G >= 3 while the owner region fits).
-int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count) {
+int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, int sm_count,
+                    const LaunchKnobs& knobs) {
   constexpr double kChainUs = 1.4, kHelperUs = 7.5, kFixUpUs = 45.0, kStartUs = 60.0;
   auto fits = [&](int g) { return tiles * 4 * g < sm_count; };
   int best = 1;
@@ -195,7 +232,7 @@ int choose_segments(int64_t tiles, int64_t chunks_per_tile, int64_t all_chunks, 
       best = g;
     }
   }
-  const int forced = env_int("CULA_KDA_SEGMENTS");
+  const int forced = knobs.integer("CULA_KDA_SEGMENTS");
   if (forced == 1 || (forced >= 3 && fits(forced))) best = forced;
   return best;
 }
@@ -276,10 +313,10 @@ bool cooperative_beats_fused(double owner_model_us, int64_t chunks_per_tile, boo
 // Not the cooperative mode, where the host chose it, except where pair_beats_cooperative (below)
 // says so. CULA_KDA_PAIR=0 (read per call) runs the fused kernel instead; =1 takes the pair form wherever it
 // can run, also over the cooperative mode.
-bool pair_possible(const KdaPrefillParams& p, int sm_count) {
+bool pair_possible(const KdaPrefillParams& p, int sm_count, const LaunchKnobs& knobs) {
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
-  return !p.general_gates && tokens > 0 && 2 * num_tiles <= sm_count && !env_is("CULA_KDA_PAIR", "0");
+  return !p.general_gates && tokens > 0 && 2 * num_tiles <= sm_count && !knobs.is("CULA_KDA_PAIR", "0");
 }
 
 // Where the launch rule below picks the cooperative mode and the pair form can run: the pair form
@@ -296,15 +333,15 @@ bool pair_beats_cooperative(const KdaPrefillParams& p, int64_t num_tiles, int64_
 }
 
 // can_pair: pair_possible, decided once per call by plan_call.
-Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair);
-Plan plan_call(const KdaPrefillParams& p, int sm_count) {
-  const bool can_pair = pair_possible(p, sm_count);
-  Plan plan = plan_call_modes(p, sm_count, can_pair);
+Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair, const LaunchKnobs& knobs);
+Plan plan_call(const KdaPrefillParams& p, int sm_count, const LaunchKnobs& knobs) {
+  const bool can_pair = pair_possible(p, sm_count, knobs);
+  Plan plan = plan_call_modes(p, sm_count, can_pair, knobs);
   plan.pair = !plan.cooperative && can_pair;
   return plan;
 }
 
-Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
+Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair, const LaunchKnobs& knobs) {
   Plan plan;
   const int64_t tokens = int64_t(p.batch) * p.seqlen;
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
@@ -317,10 +354,10 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
   const bool coop_by_model =
       num_tiles < sm_count && cooperative_beats_fused(owner_choice.coop_us, chunks_per_tile, p.general_gates);
   bool coop = (num_tiles * 5 <= int64_t(sm_count) * 2 || coop_by_model) && tokens >= 4 * sm90::kChunk;
-  if (can_pair && (env_is("CULA_KDA_PAIR", "1") || pair_beats_cooperative(p, num_tiles, chunks_per_tile, sm_count)))
+  if (can_pair && (knobs.is("CULA_KDA_PAIR", "1") || pair_beats_cooperative(p, num_tiles, chunks_per_tile, sm_count)))
     coop = false;
-  if (env_is("CULA_KDA_COOPERATIVE", "0")) coop = false;
-  if (env_is("CULA_KDA_COOPERATIVE", "1")) coop = true;
+  if (knobs.is("CULA_KDA_COOPERATIVE", "0")) coop = false;
+  if (knobs.is("CULA_KDA_COOPERATIVE", "1")) coop = true;
   if (!coop || tokens == 0 || num_tiles >= sm_count) return plan;
   const int64_t slots = (tokens + sm90::kChunk - 1) / sm90::kChunk + p.num_seqs;
   if (slots > INT_MAX) return plan;
@@ -343,21 +380,21 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
   // chain C x 1.4 us > all chunks x 12 us / (SMs - 2 tiles), without segments (set below).
   const bool chain_bound = 1.4 * double(chunks_per_tile) > 12.0 * double(all_chunks) / double(std::max<int64_t>(sm_count - 2 * num_tiles, 1));
   plan.coop.helper_kernel = !chain_bound;
-  if (env_is("CULA_KDA_HELPER_KERNEL", "0")) plan.coop.helper_kernel = false;
-  if (env_is("CULA_KDA_HELPER_KERNEL", "1")) plan.coop.helper_kernel = true;
+  if (knobs.is("CULA_KDA_HELPER_KERNEL", "0")) plan.coop.helper_kernel = false;
+  if (knobs.is("CULA_KDA_HELPER_KERNEL", "1")) plan.coop.helper_kernel = true;
 
-  plan.coop.overlap_owners = !env_is("CULA_KDA_OVERLAP_OWNERS", "0");
+  plan.coop.overlap_owners = !knobs.is("CULA_KDA_OVERLAP_OWNERS", "0");
   // The helpers' storer releases a stage once its copy has read it (=0: after the write has
   // landed; same results).
-  plan.coop.early_release = !env_is("CULA_KDA_EARLY_RELEASE", "0");
+  plan.coop.early_release = !knobs.is("CULA_KDA_EARLY_RELEASE", "0");
   // The helpers' kernel's owner region warms the helpers' intra-chunk code (CooperativePlan::
   // warm_entries; same results). Same-process A/Bs on an H100 (docs/perf-notes.md), graph time
   // with 6 entries against none: B1 T1024 H64 -4..-6 %, T2048 H64 -3..-4 %, T8192 H64 -1..-2 %,
   // T65536 H4 and varlen 30000 + 3 -1..-2 %; 5 entries (not step 1) gained less.
   // CULA_KDA_HELPER_WARM=0 / 5 / 6 (read per call) sets the number of entry steps.
   plan.coop.warm_entries = 6;
-  if (env_is("CULA_KDA_HELPER_WARM", "0")) plan.coop.warm_entries = 0;
-  if (env_is("CULA_KDA_HELPER_WARM", "5")) plan.coop.warm_entries = 5;
+  if (knobs.is("CULA_KDA_HELPER_WARM", "0")) plan.coop.warm_entries = 0;
+  if (knobs.is("CULA_KDA_HELPER_WARM", "5")) plan.coop.warm_entries = 5;
   // How a helper whose unit ran out picks the next (chunk_workspace.cuh: pick_helper_unit): the
   // unit with the most chunks left where tiles are 32 chunks or longer, else one drawn in
   // proportion to the chunks left. Same-process A/Bs on an H100 (docs/perf-notes.md), graph time
@@ -365,8 +402,8 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
   // -1 %, T32768 H8 and varlen 30000 + 3 within 1 %, but B1 T1024 H64 (16 chunks) +4..+5 %.
   // CULA_KDA_HELPER_PICK=most / =draw (read per call) forces either.
   plan.coop.pick_most = chunks_per_tile >= 32;
-  if (env_is("CULA_KDA_HELPER_PICK", "most")) plan.coop.pick_most = true;
-  if (env_is("CULA_KDA_HELPER_PICK", "draw")) plan.coop.pick_most = false;
+  if (knobs.is("CULA_KDA_HELPER_PICK", "most")) plan.coop.pick_most = true;
+  if (knobs.is("CULA_KDA_HELPER_PICK", "draw")) plan.coop.pick_most = false;
   // Value split (kernel_params.cuh: CooperativePlan): two owners per tile halve the state chain's
   // tensor-core work per chunk, which pays once the helpers outrun the chain (value_split_pays:
   // the owner's chain ~2.6 us per chunk, a helper ~7.5 us per chunk with safe gates). With
@@ -378,9 +415,9 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
   // leave at least one helper).
   int split = 2;
   bool split_on_device = true;
-  const bool split_forced = env_is("CULA_KDA_VALUE_SPLIT", "1") || env_is("CULA_KDA_VALUE_SPLIT", "2");
-  if (env_is("CULA_KDA_VALUE_SPLIT", "1")) split = 1;
-  if (env_is("CULA_KDA_VALUE_SPLIT", "2")) split_on_device = false;
+  const bool split_forced = knobs.is("CULA_KDA_VALUE_SPLIT", "1") || knobs.is("CULA_KDA_VALUE_SPLIT", "2");
+  if (knobs.is("CULA_KDA_VALUE_SPLIT", "1")) split = 1;
+  if (knobs.is("CULA_KDA_VALUE_SPLIT", "2")) split_on_device = false;
   if (2 * num_tiles >= sm_count) split = 1;
   // Several tiles per owner where the model finds the helpers the limit (fixed-length batches,
   // whose tiles the host knows, and 5 % better than one tile per owner; not with
@@ -390,7 +427,7 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
   if (!split_forced && p.cu_seqlens == nullptr && owner_choice.tiles_per_owner > 1 &&
       owner_choice.us < 0.95 * owner_choice.one_us)
     tiles_per_owner = owner_choice.tiles_per_owner;
-  if (const int forced = env_int("CULA_KDA_TILES_PER_OWNER");
+  if (const int forced = knobs.integer("CULA_KDA_TILES_PER_OWNER");
       forced >= 1 && forced <= 4 && (num_tiles + forced - 1) / forced < sm_count)
     tiles_per_owner = forced;
   if (tiles_per_owner > 1) split = 1;
@@ -409,16 +446,16 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
   plan.coop.value_split = split;
   plan.coop.tiles_per_owner = tiles_per_owner;
   plan.coop.owners = tiles_per_owner > 1 ? int((num_tiles + tiles_per_owner - 1) / tiles_per_owner) : int(num_tiles) * split;
-  const int segments = split == 2 ? choose_segments(num_tiles, chunks_per_tile, all_chunks, sm_count) : 1;
+  const int segments = split == 2 ? choose_segments(num_tiles, chunks_per_tile, all_chunks, sm_count, knobs) : 1;
   if (segments > 1) {
     // Segments leave fewer helpers (the owner region is 4 G CTAs per tile): the two-kernel form,
     // unless forced (B1 T65536 H4, 4 segments: 0.925 vs 0.981 ms one-kernel).
-    if (!env_is("CULA_KDA_HELPER_KERNEL", "0")) plan.coop.helper_kernel = true;
+    if (!knobs.is("CULA_KDA_HELPER_KERNEL", "0")) plan.coop.helper_kernel = true;
     plan.coop.segments = segments;
     plan.coop.split_on_device = false;
     plan.coop.owners = int(num_tiles) * 4 * segments;
   }
-  plan.coop.helper_intra = plan.coop.helper_kernel && !env_is("CULA_KDA_HELPER_INTRA", "1") ? 2 : 1;
+  plan.coop.helper_intra = plan.coop.helper_kernel && !knobs.is("CULA_KDA_HELPER_INTRA", "1") ? 2 : 1;
   const size_t units = size_t(num_tiles) * size_t(segments);
   plan.stage_bytes = size_t(slots) * size_t(p.num_v_heads) * size_t(sm90::kWorkspaceStageBytes);
   // published flags, then per unit: claim counter, P count, two S_out flags
@@ -437,9 +474,9 @@ Plan plan_call_modes(const KdaPrefillParams& p, int sm_count, bool can_pair) {
 // sweep of 20 rows with 320 to 8192 tiles: -1.2 % (long uniform tiles) to -30 % (docs/perf-notes.md),
 // so the earlier mean-length threshold (320 tokens) is gone. CULA_KDA_SCHEDULE=index (read per
 // call) forces index order. General gates too (their own longest-first instantiations).
-bool longest_first_schedule(const KdaPrefillParams& p, int sm_count) {
+bool longest_first_schedule(const KdaPrefillParams& p, int sm_count, const LaunchKnobs& knobs) {
   const int64_t num_tiles = int64_t(p.num_seqs) * p.num_v_heads;
-  const bool force_index = env_is("CULA_KDA_SCHEDULE", "index");
+  const bool force_index = knobs.is("CULA_KDA_SCHEDULE", "index");
   return !force_index && num_tiles > sm_count && num_tiles <= INT_MAX && p.num_seqs <= sm90::kSortMaxSeqs;
 }
 
@@ -534,9 +571,10 @@ struct TimelineWriteAfter {
 const char* kda_prefill_sm90_last_error() { return g_last_error; }
 
 std::string kda_prefill_sm90_launch_name(const KdaPrefillParams& p, int sm_count) {
-  const Plan plan = plan_call(p, sm_count);
+  const LaunchKnobs knobs;
+  const Plan plan = plan_call(p, sm_count, knobs);
   if (plan.pair) return "pair";
-  if (!plan.cooperative) return longest_first_schedule(p, sm_count) ? "longest-first" : "index";
+  if (!plan.cooperative) return longest_first_schedule(p, sm_count, knobs) ? "longest-first" : "index";
   const sm90::CooperativePlan& c = plan.coop;
   std::string name = c.helper_kernel ? "cooperative-two-kernels" : "cooperative-one-kernel";
   if (c.segments > 1) return name + "-" + std::to_string(c.segments) + "-segments";
@@ -548,7 +586,7 @@ std::string kda_prefill_sm90_launch_name(const KdaPrefillParams& p, int sm_count
 size_t kda_prefill_sm90_workspace_bytes(const KdaPrefillParams& p) {
   int sm_count = 0;
   if (device_sm_count(&sm_count) != cudaSuccess) return 0;
-  const Plan plan = plan_call(p, sm_count);
+  const Plan plan = plan_call(p, sm_count, LaunchKnobs());
   if (plan.pair) return 0;
   return plan.sync_bytes + plan.matrix_bytes + plan.stage_bytes;
 }
@@ -613,7 +651,8 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
   int sm_count = 0;
   if ((err = sm_count_of(device, &sm_count)) != cudaSuccess) return err;
 
-  const Plan plan = plan_call(p, sm_count);
+  const LaunchKnobs knobs;
+  const Plan plan = plan_call(p, sm_count, knobs);
   if (plan.pair) {
 #ifdef CULA_KDA_TIMELINE
     kp.coop.timeline = timeline_buffer(stream, 2ull * num_tiles * sm90::kPairTimelineKinds * sm90::kPairTimelineChunks);
@@ -646,7 +685,7 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
 #endif
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if ((err = cudaStreamIsCapturing(stream, &capture)) != cudaSuccess) return err;
-    if (capture == cudaStreamCaptureStatusNone && !env_is("CULA_KDA_SYNC_AREA", "workspace")) {
+    if (capture == cudaStreamCaptureStatusNone && !knobs.is("CULA_KDA_SYNC_AREA", "workspace")) {
       // Not captured: the stream's sync area, zero already; zeroed again behind the launch.
       const std::lock_guard<std::mutex> lock(g_sync_area_mutex);
       if (SyncArea* area = stream_sync_area(device, stream, plan.sync_bytes)) {
@@ -662,7 +701,7 @@ cudaError_t launch(const KdaPrefillParams& p, cudaStream_t stream, WorkspaceAllo
     if ((err = cudaMemsetAsync(workspace, 0, plan.sync_bytes, stream)) != cudaSuccess) return err;
     return launch_instantiation<false, sm90::KernelPass::kCooperative>(p, kp, sm_count, stream);
   }
-  if (longest_first_schedule(p, sm_count)) {
+  if (longest_first_schedule(p, sm_count, knobs)) {
     if ((err = schedule_workspace(device, stream, &kp.schedule)) != cudaSuccess) return err;
     return launch_instantiation<true, sm90::KernelPass::kFused>(p, kp, sm_count, stream);
   }
