@@ -40,10 +40,10 @@ cudaError_t invalid(const char* why) {
 // collects the CULA_KDA_* entries (usually none), and the rules ask those. A getenv per knob scans
 // the whole environment each time, and a cooperative launch asks ~20 knobs: with getenv the
 // dispatch's device-and-plan step took 3.3-3.7 us of a cooperative call's host time on the GPU
-// machine's CPU, against 0.6-0.95 us for the pair form (host stamps); the plan alone (B1 T32768
-// H8), on the CI machine's CPU, 0.50-0.56 -> 0.16-0.26 us with 35 variables in the environment,
-// 1.09-1.26 -> 0.22-0.23 us with 100 (docs/perf-notes.md, twenty-first session). Same values as
-// getenv (the first entry of a name); past kMaxEntries such entries it asks getenv.
+// machine's CPU, against 0.6-0.95 us for the pair form's 4 knobs (host stamps); the plan alone
+// (B1 T32768 H8), on the CI machine's CPU, 0.50-0.56 -> 0.16-0.26 us with 35 variables in the
+// environment, 1.09-1.26 -> 0.22-0.23 us with 100 (docs/perf-notes.md, twenty-first session).
+// Same values as getenv (the first entry of a name); past kMaxEntries such entries it asks getenv.
 class LaunchKnobs {
  public:
   LaunchKnobs() {
