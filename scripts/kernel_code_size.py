@@ -18,6 +18,9 @@ Usage::
     python scripts/kernel_code_size.py --base /path/to/other    # other tree's csrc vs this one's
     git archive main csrc | tar x -C /tmp/main_tree && \\
         python scripts/kernel_code_size.py --base /tmp/main_tree --only longest_first
+    # instructions from each stage wait of the owners' loop to the next WGMMA (a path's length):
+    python scripts/kernel_code_size.py --only gate_in_kernel_l2norm_cooperative \\
+        --span 'SYNCS.PHASECHK.TRANS64.TRYWAIT.*0x380a0' HGMMA
 
 Needs nvcc and the CUTLASS headers (as setup.py finds them) and cuobjdump (+ nvdisasm) from the
 ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels, a CUDA toolkit, or PATH. One
@@ -50,6 +53,7 @@ class KernelSize:
     stack: int = 0         # bytes of stack frame
     spill_stores: int = 0  # bytes
     spill_loads: int = 0   # bytes
+    spans: list[int] = dataclasses.field(default_factory=list)  # --span: instructions between the marks
 
     @property
     def kib(self) -> float:
@@ -105,6 +109,33 @@ def count_sass(text: str) -> dict[str, int]:
     return counts
 
 
+def sass_spans(text: str, start: str, end: str, limit: int = 4000) -> dict[str, list[int]]:
+    """Per function of ``cuobjdump -sass`` text: for each instruction matching the regex ``start``,
+    the number of instructions strictly between it and the next one matching ``end`` (within
+    ``limit`` instructions and the same function; none found: no entry). A static count: every
+    instruction in between counts, whether or not its branch is taken."""
+    start_re, end_re = re.compile(start), re.compile(end)
+    spans: dict[str, list[int]] = {}
+    name: str | None = None
+    open_at: list[int] = []  # instruction indices of the starts still waiting for an end
+    index = 0
+    for line in text.splitlines():
+        m = _FUNCTION.match(line)
+        if m:
+            name, open_at, index = m.group(1), [], 0
+            spans.setdefault(name, [])
+            continue
+        if name is None or not _INSTRUCTION.match(line):
+            continue
+        if end_re.search(line):
+            spans[name].extend(index - i - 1 for i in open_at if index - i - 1 <= limit)
+            open_at = []
+        if start_re.search(line):
+            open_at.append(index)
+        index += 1
+    return spans
+
+
 def _build_helpers():
     """setup.py's toolkit search and the build tests' tool search (tests/test_build.py), reused."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -116,7 +147,7 @@ def _build_helpers():
 
 
 def measure(tree: str, source: str, nvcc: str, includes: list[str], flags: list[str],
-            cuobjdump: str, env: dict[str, str]) -> list[KernelSize]:
+            cuobjdump: str, env: dict[str, str], span: tuple[str, str] | None = None) -> list[KernelSize]:
     """Compile one instantiation of ``tree`` and return its kernels' sizes."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -131,6 +162,9 @@ def measure(tree: str, source: str, nvcc: str, includes: list[str], flags: list[
             raise RuntimeError(f"cuobjdump failed on {source}: {sass.stderr}")
     for name, n in count_sass(sass.stdout).items():
         kernels.setdefault(name, KernelSize(name)).instructions = n
+    if span is not None:
+        for name, found in sass_spans(sass.stdout, *span).items():
+            kernels.setdefault(name, KernelSize(name)).spans = found
     return sorted(kernels.values(), key=lambda k: k.pass_name)
 
 
@@ -155,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", help="another tree (with csrc/) to compare against, instantiation by instantiation")
     ap.add_argument("--only", nargs="*", default=[], help="keep instantiations whose name contains any of these")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--span", nargs=2, metavar=("FROM", "TO"), default=None,
+                    help="also list, per kernel, the SASS instructions between each instruction matching the "
+                         "regex FROM and the next matching TO (a static path length)")
     args = ap.parse_args(argv)
 
     setup_py, find_tool = _build_helpers()
@@ -188,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [(args.base, os.path.join(base_dir, os.path.basename(s))) for s in sources
                  if os.path.isfile(os.path.join(base_dir, os.path.basename(s)))]
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(lambda j: measure(j[0], j[1], nvcc, includes, flags, cuobjdump, env), jobs))
+        span = tuple(args.span) if args.span else None
+        results = list(pool.map(lambda j: measure(j[0], j[1], nvcc, includes, flags, cuobjdump, env, span), jobs))
     by_job = dict(zip(jobs, results))
 
     print(f"tree {args.tree}" + (f", base {args.base}" if args.base else ""))
@@ -202,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             base_kernels = {k.pass_name: k for k in by_job.get((args.base, base_src), [])}
         for k in by_job[(args.tree, s)]:
             print(_row(label, k, base_kernels.get(k.pass_name)))
+            if args.span:
+                base = base_kernels.get(k.pass_name)
+                print(f"{'':<48} {'':<11} span {args.span[0]!r} -> {args.span[1]!r}: {k.spans}"
+                      + (f" (base {base.spans})" if base is not None else ""))
     return 0
 
 

@@ -66,3 +66,38 @@ def test_kernel_pass_and_size_from_the_mangled_name():
     assert kcs.KernelSize(HELPERS).pass_name == "helpers"
     assert kcs.KernelSize(HELPERS.replace("KernelPassE2", "KernelPassE3")).pass_name == "pair"
     assert abs(fused.kib - 11008 * 16 / 1024) < 1e-9
+
+
+def _sass_function(name: str, instructions: list[str]) -> str:
+    lines = [f"\t\tFunction : {name}", '\t.headerflags\t@"EF_CUDA_SM90"']
+    for i, ins in enumerate(instructions):
+        lines.append(f"        /*{16 * i:04x}*/                   {ins} ;                /* 0x000000000000794d */")
+        lines.append("                                                                      /* 0x000fea0003800000 */")
+    return "\n".join(lines)
+
+
+def test_sass_spans_counts_the_instructions_between_each_start_and_the_next_end():
+    owners = _sass_function(FUSED, [
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ+0x380a0], R17",  # start: 3 instructions to the HGMMA
+        "IMAD R9, R0, -0x80, R9",
+        "F2FP.BF16.F32.PACK_AB R152, R25, R24",
+        "WARPGROUP.ARRIVE",
+        "HGMMA.64x64x16.F32.BF16 R120, R152, gdesc[UR4], RZ, !UPT",
+        "HGMMA.64x64x16.F32.BF16 R120, R156, gdesc[UR8], R120",  # a second end closes nothing
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ+0x380a0], R17",  # start: 0 before the HGMMA
+        "HGMMA.64x64x16.F32.BF16 R120, R152, gdesc[UR4], RZ, !UPT",
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ+0x380d0], R17",  # another barrier: not a start
+        "EXIT",
+    ])
+    # a start left open at a function's end does not carry into the next function
+    helpers = _sass_function(HELPERS, [
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ+0x380a0], R17",
+        "EXIT",
+    ])
+    spans = kcs.sass_spans(owners + "\n" + helpers + "\n" + _sass_function("third", ["HGMMA.64x64x16.F32 R0"]),
+                           r"SYNCS.PHASECHK.TRANS64.TRYWAIT.*0x380a0", "HGMMA")
+    assert spans == {FUSED: [3, 0], HELPERS: [], "third": []}
+    # limit: a span longer than it is left out
+    assert kcs.sass_spans(owners, r"TRYWAIT.*0x380a0", "HGMMA", limit=2)[FUSED] == [0]
+    # the counts of the same text agree with count_sass
+    assert kcs.count_sass(owners) == {FUSED: 10}
