@@ -16,8 +16,8 @@
 // once its own intra-chunk warpgroup and the peer's copy are both done. Where a copy lands must
 // be free:
 //   * rank 1's M tile: rank 1's state warpgroup has read the previous M (its arrive on rank 0's
-//     m_tile_empty_bar, which rank 0's intra-chunk warpgroup waits for before its scratch is
-//     written, counts one arrive per CTA);
+//     m_tile_empty_bar, which rank 0's intra-chunk warpgroup waits for before it writes M - I,
+//     counts one arrive per CTA);
 //   * rank 0's A_qk slot of the stage: it is rank 0's prep scratch for the chunk until rank 0's
 //     prep is done (rank 0's prep warpgroup arrives on rank 1's peer_prepped_bar).
 // Per CTA the two state warpgroups take other roles than in the fused kernel: the warpgroup of the
@@ -63,11 +63,13 @@ __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStora
       st, ws.a_ref, warp, lane, a, unused, rank == 0 ? st.k : st.q, scale_pairs);
   timer.mark(2);
   if (rank == 0) {
-    float* diag = reinterpret_cast<float*>(ws.scratch + kDiagOffset);
-    // The M tile of the previous chunk lies over the diagonal-block scratch: both CTAs' state
-    // warpgroups have read their copy of it.
-    cutlass::arch::ClusterBarrier::wait(&smem.m_tile_empty_bar, m_tile_phase);
-    timer.mark(1);
+    // The diagonal blocks' scratch lies in value half 1's v_new tile, which rank 0 never uses (its
+    // state warpgroup is half 0's), not over the M tile as in the fused kernels: so the mask and
+    // the inverse run while the state warpgroups still read the previous chunk's M, and only
+    // M - I's store and copy below wait for their release (m_tile_empty_bar).
+    float* diag = reinterpret_cast<float*>(smem.v_new[1]);
+    static_assert(sizeof(SharedStorage::v_new[1]) >= kNumSubBlocks * kDiagBlockFloats * sizeof(float),
+                  "the diagonal blocks fit in one v_new tile");
     // Step 5 for A_kk as in intra_chunk: A = beta_i A_kk, strictly lower; its blocks below the
     // diagonal stay in registers (a_off), its diagonal blocks go to the scratch, transposed.
     float a_off[8 * (kNumSubBlocks - 1)];
@@ -85,8 +87,10 @@ __device__ __forceinline__ void pair_intra_chunk(SharedStorage& smem, StageStora
       invert_unit_lower(a_off, diag, ws.inverse_operand, ws.bar, tid, m, timer);
     }
     timer.mark(5);
-    // Step 8: M - I into the M tile (over the scratch, whose diagonal blocks the inverse has
-    // read), then to rank 1's M tile, completing on rank 1's `ready` of this stage.
+    // Step 8: M - I into the M tile, then to rank 1's M tile, completing on rank 1's `ready` of
+    // this stage: both CTAs' state warpgroups have read their copy of the previous chunk's M.
+    cutlass::arch::ClusterBarrier::wait(&smem.m_tile_empty_bar, m_tile_phase);
+    timer.mark(1);
     store_m_minus_identity(ws.scratch + kMTileOffset, m, warp, g4, t4);
     fence_smem_to_async_proxy();
     named_barrier_sync(ws.bar, 128);
