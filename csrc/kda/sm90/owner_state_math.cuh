@@ -102,8 +102,8 @@ __device__ __forceinline__ void accumulator_to_fragments(const float (&acc)[N], 
 template <bool kAqkHalf>
 __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, SharedStorage& smem, const PipelineState& pipe,
                                                  float (&St)[64], const WorkTile& tile, int c, bool with_u,
-                                                 bool with_out, uint8_t* staging, NamedBarrierId bar, int half,
-                                                 int tid, PhaseTimer& timer) {
+                                                 bool with_out, uint8_t* staging, const OutputRowWriter& out_rows,
+                                                 NamedBarrierId bar, int half, int tid, PhaseTimer& timer) {
   const int warp = tid >> 5, lane = tid & 31;
   const int t4 = lane & 3;
   StageStorage& st = smem.stage[pipe.stage];
@@ -305,7 +305,7 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
     }
   }
   named_barrier_sync(bar, 128);
-  write_output_rows(p, tile, c, buf, half, tid);
+  out_rows.write(tile, c, buf);
   timer.mark(4);
 }
 
@@ -392,9 +392,11 @@ __device__ __forceinline__ void run_owner_state_warpgroup(const KdaKernelParams&
     const ChunkRange range = segment_chunks(G, tile.num_chunks(), role.segment);
     const int unit = (tile.seq * p.num_v_heads + tile.v_head) * G + role.segment;
     float St[64];
+    const OutputRowWriter out_rows(p, tile, half, tid);
     auto chain = [&](bool with_u, bool with_out) {
       for (int c = range.begin; c < range.end; ++c, pipe.advance()) {
-        owner_chunk_step<kAqkHalf>(p, smem, pipe, St, tile, c, with_u, with_out, staging, bar, half, tid, timer);
+        owner_chunk_step<kAqkHalf>(p, smem, pipe, St, tile, c, with_u, with_out, staging, out_rows, bar, half, tid,
+                                   timer);
         if (tid == 0)
           timeline_mark(kp.coop.timeline, TimelineEvent::kOwnerChunkDone, tile.v_head, first_chunk_slot(tile) + c, half);
       }

@@ -185,6 +185,47 @@ __device__ __forceinline__ void write_output_rows(const KdaPrefillParams& p, con
   }
 }
 
+// write_output_rows with its addressing done once per tile, for a chain that stores a chunk's rows
+// between two of its own dependent steps (the cooperative owners): per 16-byte store the per-chunk
+// form computes the row's 64-bit element index and swizzled staging offset again (~24 integer
+// instructions, with a branch around each store, in the owners' SASS), here one 64-bit add and a
+// predicated load and store. Thread tid stores 16-byte column x = tid % 8 of rows tid / 8 + 16 s
+// (s = 0..3), as write_output_rows; the swizzle term (x ^ row) & 7 is the same for the four rows.
+struct OutputRowWriter {
+  char* row0;             // o at row tid / 8 of the tile's first chunk, this thread's 8 columns
+  int64_t chunk_bytes;    // from a row of one chunk to the same row of the next
+  int64_t rows16_bytes;   // from a row to the row 16 below
+  uint32_t staging_off;   // byte offset of (row tid / 8, column x) in the staged SW128 tile
+  int row;                // tid / 8
+  __device__ OutputRowWriter(const KdaPrefillParams& p, const WorkTile& tile, int half, int tid) {
+    row = tid >> 3;
+    const int x = tid & 7;
+    const int64_t row_bytes = int64_t(p.num_v_heads) * kHeadDim * 2;
+    row0 = static_cast<char*>(p.o) + (tile.token0 + row) * row_bytes + (int64_t(tile.v_head) * kHeadDim + 64 * half + 8 * x) * 2;
+    chunk_bytes = kChunk * row_bytes;
+    rows16_bytes = 16 * row_bytes;
+    staging_off = sw128_chunk_offset(row, x);
+    // Opaque to the compiler from here on: otherwise it folds the addresses back into per-store
+    // index products (rematerialisation, as in write_output_rows), the cost this form removes.
+    asm volatile("" : "+l"(row0), "+l"(chunk_bytes), "+l"(rows16_bytes));
+  }
+  // The rows of chunk `chunk` that belong to the sequence, from its staged tile (all four loads;
+  // the stores predicated, without branches).
+  __device__ __forceinline__ void write(const WorkTile& tile, int chunk, const uint8_t* staging) const {
+    const int rows_below = tile.chunk_rows(chunk) - row;  // rows from this thread's first to the chunk's end
+    char* dst = row0 + chunk * chunk_bytes;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint4 v = *reinterpret_cast<const uint4*>(staging + staging_off + s * 16 * 128);
+      asm volatile(
+          "{\n .reg .pred p;\n setp.lt.s32 p, %5, %6;\n @p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(dst),
+          "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(16 * s), "r"(rows_below)
+          : "memory");
+      dst += rows16_bytes;
+    }
+  }
+};
+
 // o tile [64 rows x 64 value columns of this half]: scale, round to bf16, stage in shared memory
 // (SW128 layout, conflict-free), then 16-byte stores of the rows that belong to the sequence.
 __device__ __forceinline__ void store_output_tile(const KdaPrefillParams& p, const WorkTile& tile, int chunk,
