@@ -286,7 +286,7 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
   }
 
   // (f) o = scale O: O^T's 8x8 blocks stored transposed, so the staging tile holds rows i,
-  // columns v (SW128, as write_output_rows reads it). stmatrix call ks covers O^T columns
+  // columns v (SW128, as OutputRowWriter reads it). stmatrix call ks covers O^T columns
   // (= rows i) 16 ks .. 16 ks + 15; its matrix q is fragment q: rows i0 = 16 ks + 8 (q >> 1),
   // columns v0 = 16 w + 8 (q & 1), whose row addresses lanes 8 q .. 8 q + 7 give.
   uint8_t* const buf = staging + (c & 1) * kBoxBytes;

@@ -131,6 +131,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
     StateFragment S;
     load_initial_state(p, state_slot(p, tile), S, half, warp, lane);
     const int num_chunks = tile.num_chunks();
+    const OutputRowWriter out_rows(p, tile, half, tid);
     // (a)'s S -> bf16 [K=128 rows, 64 columns], the MN-major B operand of (b) and (d) (times
     // `scale`: 1, or a power of two in (c)'s rare rescale).
     const auto write_s_tile = [&](float scale) {
@@ -452,7 +453,7 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       cutlass::arch::ClusterBarrier::arrive(&smem.empty_bar[pipe.stage]);
       if (kPair && tid == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairReleased, c);
       // (f) o -> global (the S tile is free again and serves as staging).
-      store_output_tile(p, tile, c, O, s_tile, half, tid, bar);
+      store_output_tile(p, out_rows, tile, c, O, s_tile, tid, bar);
       if (kPair && tid == 0) pair_timeline_mark(kp.coop.timeline, TimelineEvent::kPairStored, c);
       // kStageSAhead: (a) for the next chunk of this tile now, while the producer reloads the
       // stage just released: the next iteration's prep waits for that load first (~1.5k cycles a

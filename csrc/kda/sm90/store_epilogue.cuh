@@ -167,30 +167,13 @@ __device__ __forceinline__ void zero_uncovered_rows(const KdaPrefillParams& p, i
 }
 
 // The staged o tile [64 rows x 64 value columns of this half, bf16, SW128] -> the rows of o that
-// belong to the sequence, as 16-byte stores (after a barrier over the warpgroup's staging writes).
-__device__ __forceinline__ void write_output_rows(const KdaPrefillParams& p, const WorkTile& tile, int chunk,
-                                                  const uint8_t* staging, int half, int tid) {
-  const int rows = tile.chunk_rows(chunk);
-  const int64_t token0 = tile.token0 + int64_t(chunk) * kChunk;
-  __nv_bfloat16* o_base = static_cast<__nv_bfloat16*>(p.o);
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const int q = tid + 128 * s;
-    const int i = q >> 3, x = q & 7;
-    if (i < rows) {
-      const uint4 val = *reinterpret_cast<const uint4*>(staging + sw128_chunk_offset(i, x));
-      const int64_t idx = ((token0 + i) * p.num_v_heads + tile.v_head) * kHeadDim + 64 * half + 8 * x;
-      *reinterpret_cast<uint4*>(o_base + idx) = val;
-    }
-  }
-}
-
-// write_output_rows with its addressing done once per tile, for a chain that stores a chunk's rows
-// between two of its own dependent steps (the cooperative owners): per 16-byte store the per-chunk
-// form computes the row's 64-bit element index and swizzled staging offset again (~24 integer
-// instructions, with a branch around each store, in the owners' SASS), here one 64-bit add and a
-// predicated load and store. Thread tid stores 16-byte column x = tid % 8 of rows tid / 8 + 16 s
-// (s = 0..3), as write_output_rows; the swizzle term (x ^ row) & 7 is the same for the four rows.
+// belong to the sequence, as 16-byte stores (after a barrier over the warpgroup's staging writes),
+// addressed once per tile: a chunk's stores sit on a warpgroup's dependent path (the cooperative
+// owners' chain, the fused state warpgroups' chunk), and computing each row's 64-bit element index
+// and swizzled staging offset per store took ~24 integer instructions and a branch around each
+// store in the owners' SASS; here one 64-bit add and a predicated load and store. Thread tid stores
+// 16-byte column x = tid % 8 of rows tid / 8 + 16 s (s = 0..3); the swizzle term (x ^ row) & 7 is
+// the same for its four rows.
 struct OutputRowWriter {
   char* row0;             // o at row tid / 8 of the tile's first chunk, this thread's 8 columns
   int64_t chunk_bytes;    // from a row of one chunk to the same row of the next
@@ -206,7 +189,7 @@ struct OutputRowWriter {
     rows16_bytes = 16 * row_bytes;
     staging_off = sw128_chunk_offset(row, x);
     // Opaque to the compiler from here on: otherwise it folds the addresses back into per-store
-    // index products (rematerialisation, as in write_output_rows), the cost this form removes.
+    // index products (rematerialisation), the cost this form removes.
     asm volatile("" : "+l"(row0), "+l"(chunk_bytes), "+l"(rows16_bytes));
   }
   // The rows of chunk `chunk` that belong to the sequence, from its staged tile (all four loads;
@@ -228,9 +211,9 @@ struct OutputRowWriter {
 
 // o tile [64 rows x 64 value columns of this half]: scale, round to bf16, stage in shared memory
 // (SW128 layout, conflict-free), then 16-byte stores of the rows that belong to the sequence.
-__device__ __forceinline__ void store_output_tile(const KdaPrefillParams& p, const WorkTile& tile, int chunk,
-                                                  const float (&o)[32], uint8_t* staging, int half, int tid,
-                                                  NamedBarrierId bar) {
+__device__ __forceinline__ void store_output_tile(const KdaPrefillParams& p, const OutputRowWriter& out_rows,
+                                                  const WorkTile& tile, int chunk, const float (&o)[32], uint8_t* staging,
+                                                  int tid, NamedBarrierId bar) {
   const int warp = tid >> 5, lane = tid & 31;
   const int g4 = lane >> 2, t4 = lane & 3;
 #pragma unroll
@@ -243,7 +226,7 @@ __device__ __forceinline__ void store_output_tile(const KdaPrefillParams& p, con
     }
   }
   named_barrier_sync(bar, 128);
-  write_output_rows(p, tile, chunk, staging, half, tid);
+  out_rows.write(tile, chunk, staging);
   named_barrier_sync(bar, 128);  // staging is reused as the S operand of the next chunk
 }
 
