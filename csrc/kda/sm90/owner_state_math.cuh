@@ -233,6 +233,14 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
   // (d) O^T += v_new^T A_qk^T and (e) S^T += v_new^T KT', one batch (after the O^T batch above
   // in the WGMMA queue, which orders the two accumulations into O^T).
   const uint64_t aqk_desc = desc_k_major(smem_u32(st.aqk)), kt_desc = desc_mn_major(smem_u32(st.g), kBoxBytes);
+  // (d')'s diagonal of A_qk loaded before the products: written beside (d') the loads came after
+  // the wait for (d)+(e) (the fences and products are asm with memory clobbers), and each FFMA
+  // waited for its load.
+  float2 diag[kChunk / 16][2];
+#pragma unroll
+  for (int ks = 0; ks < kChunk / 16; ++ks)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) diag[ks][h] = *reinterpret_cast<const float2*>(&st.aqk_diag[16 * ks + 8 * h + 2 * t4]);
   fence_accumulators(St);
   wgmma_fence();
   if (with_out) {
@@ -273,8 +281,7 @@ __device__ __forceinline__ void owner_chunk_step(const KdaPrefillParams& p, Shar
     for (int ks = 0; ks < kChunk / 16; ++ks)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const int i = 16 * ks + 8 * (q >> 1) + 2 * t4;
-        const float2 d = *reinterpret_cast<const float2*>(&st.aqk_diag[i]);
+        const float2 d = diag[ks][q >> 1];
         Ot[8 * ks + 2 * q] = fmaf(d.x, Pt[8 * ks + 2 * q], Ot[8 * ks + 2 * q]);
         Ot[8 * ks + 2 * q + 1] = fmaf(d.y, Pt[8 * ks + 2 * q + 1], Ot[8 * ks + 2 * q + 1]);
       }

@@ -416,6 +416,20 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
         update_block(b);
         wgmma_commit();
       }
+      // (d')'s operands (below) loaded while the last block's update runs: written beside (d') the
+      // loads came after the wait (the products' asm has memory clobbers), and each FFMA waited
+      // for its load.
+      uint32_t vn_bits[2][8];
+      float diag[2];
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = kSubBlock * warp + g4 + 8 * h2;
+        diag[h2] = st.aqk_diag[i];
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8)
+          vn_bits[h2][n8] = *reinterpret_cast<const uint32_t*>((kAqkHalf ? vn_half : vn_tile) +
+                                                               sw128_fragment_offset(i, n8, g4, t4));
+      }
       wgmma_wait<0>();
       fence_accumulators(S.acc[0]);
       fence_accumulators(S.acc[1]);
@@ -430,13 +444,10 @@ __device__ __forceinline__ void run_state_warpgroup(const KdaKernelParams& kp, S
       // operand the product took (bf16 v_new, or kAqkHalf: the fp16 v_new', then O *= 2^vn_shift).
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        const int i = kSubBlock * warp + g4 + 8 * h2;
-        const float d = st.aqk_diag[i];
+        const float d = diag[h2];
 #pragma unroll
         for (int n8 = 0; n8 < 8; ++n8) {
-          const uint32_t off = sw128_fragment_offset(i, n8, g4, t4);
-          const float2 vn = kAqkHalf ? half2_to_float2(*reinterpret_cast<const uint32_t*>(vn_half + off))
-                                     : bf16x2_to_float2(*reinterpret_cast<const uint32_t*>(vn_tile + off));
+          const float2 vn = kAqkHalf ? half2_to_float2(vn_bits[h2][n8]) : bf16x2_to_float2(vn_bits[h2][n8]);
           O[n8 * 4 + h2 * 2] = fmaf(d, vn.x, O[n8 * 4 + h2 * 2]);
           O[n8 * 4 + h2 * 2 + 1] = fmaf(d, vn.y, O[n8 * 4 + h2 * 2 + 1]);
         }
