@@ -171,7 +171,7 @@ __device__ __forceinline__ void zero_uncovered_rows(const KdaPrefillParams& p, i
 // addressed once per tile: a chunk's stores sit on a warpgroup's dependent path (the cooperative
 // owners' chain, the fused state warpgroups' chunk), and computing each row's 64-bit element index
 // and swizzled staging offset per store took ~24 integer instructions and a branch around each
-// store in the owners' SASS; here one 64-bit add and a predicated load and store. Thread tid stores
+// store in the owners' SASS; here one 64-bit add, a load and a predicated store. Thread tid stores
 // 16-byte column x = tid % 8 of rows tid / 8 + 16 s (s = 0..3); the swizzle term (x ^ row) & 7 is
 // the same for its four rows.
 struct OutputRowWriter {
